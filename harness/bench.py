@@ -1,0 +1,231 @@
+"""The timed benchmark of one configuration, run on every rank.
+
+The study's protocol: per repeat, a fresh model and method, `warmup_iters`
+untimed iterations, then `timed_iters` iterations in a window that starts at a
+barrier and ends when all communication is done and the device is synchronized.
+Throughput is global samples over the slowest rank's window.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+import methods
+import models
+from harness import results
+from harness.config import to_json
+from harness.launch import Context, num_servers, num_workers
+
+PHASES = ("forward_s", "backward_s", "comm_s", "update_s")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_optimizer(model: nn.Module, conf: DictConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if conf.name == "sgd":
+        return torch.optim.SGD(params, lr=conf.lr, momentum=conf.momentum,
+                               weight_decay=conf.weight_decay)
+    return torch.optim.AdamW(params, lr=conf.lr, weight_decay=conf.weight_decay)
+
+
+def batch_generator(seed: int, rank: int, step: int = 0) -> torch.Generator:
+    """The generator of rank `rank`'s synthetic batch at `step` (same on every machine)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+
+
+def device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, methods.Method,
+                                                                 torch.optim.Optimizer]:
+    """A fresh model (weights from `seed`) wrapped by the configured method, and its optimizer."""
+    model = models.build(cfg.model.family, cfg.model.build, seed=seed).to(ctx.device)
+    method = methods.build(OmegaConf.to_container(cfg.method, resolve=True),
+                           group=ctx.worker_group, device=ctx.device)
+    wrapped = method.wrap(model)
+    return wrapped, method, make_optimizer(model, cfg.model.optimizer)
+
+
+def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.optim.Optimizer,
+                    batch: models.Batch, device: torch.device) -> list[float]:
+    """One training iteration; returns the wall-clock time of each phase in PHASES."""
+    stamps = [time.perf_counter()]
+    loss = model(batch)
+    for phase in (loss.backward, method.synchronize, lambda: method.step(optimizer)):
+        device_sync(device)
+        stamps.append(time.perf_counter())
+        phase()
+    device_sync(device)
+    stamps.append(time.perf_counter())
+    method.zero_grad()
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
+    """Fail on purpose where run.fault says so (tests of the failure paths)."""
+    if fault.rank != rank or fault.at_iter != iteration:
+        return
+    if fault.kind == "exit":
+        os._exit(3)
+    if fault.kind == "hang":
+        time.sleep(10**6)
+    raise RuntimeError(f"injected fault at iteration {iteration}")
+
+
+def timed_window(step: Callable[[], list[float]], *, iters: int, method: methods.Method,
+                 device: torch.device) -> tuple[float, list[float], list[list[float]]]:
+    """Barrier, `iters` steps, drain; returns (window_s, iteration times, phase times)."""
+    dist.barrier()
+    device_sync(device)
+    start = last = time.perf_counter()
+    iter_times, phases = [], []
+    for _ in range(iters):
+        phases.append(step())
+        now = time.perf_counter()
+        iter_times.append(now - last)
+        last = now
+    method.drain()
+    device_sync(device)
+    window = time.perf_counter() - start
+    iter_times[-1] += window - (last - start)  # the drain belongs to the last iteration
+    return window, iter_times, phases
+
+
+def worker(cfg: DictConfig, ctx: Context) -> None:
+    """Entry of every rank for `python -m harness.run`."""
+    info = models.describe(cfg.model.family, cfg.model.build) if ctx.rank == 0 else {}
+    hosts = _gather(socket.gethostname(), ctx)
+    iteration = itertools.count()
+    for repeat in range(cfg.run.repeats):
+        ctx.repeat = repeat
+        model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed + repeat)
+        batch = models.move_batch(
+            model_of(model).make_batch(cfg.model.local_batch_size,
+                                       batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
+
+        def step() -> list[float]:
+            inject_fault(cfg.run.fault, rank=ctx.rank, iteration=next(iteration))
+            return train_iteration(model, method, optimizer, batch, ctx.device)  # noqa: B023
+
+        for _ in range(cfg.run.warmup_iters):
+            step()
+        method.drain()
+        window, iter_times, phases = timed_window(step, iters=cfg.run.timed_iters,
+                                                  method=method, device=ctx.device)
+        per_rank = _gather((window, iter_times, phases), ctx)
+        method.close()
+        if ctx.rank == 0:
+            row = _row(cfg, ctx, repeat=repeat, per_rank=per_rank, hosts=hosts,
+                       plan=method.plan(), info=info)
+            path = results.shard_path(cfg.results_dir, ctx.run_id, repeat)
+            results.write_shard(path, [row])
+            print(f"[{ctx.run_id}] repeat {repeat + 1}/{cfg.run.repeats}: "
+                  f"{row['throughput']:.1f} samples/s -> {path}", flush=True)
+
+
+def model_of(model: nn.Module) -> nn.Module:
+    """The user's model inside a wrapper (DDP keeps it as `.module`)."""
+    return getattr(model, "module", model)
+
+
+def _gather(obj, ctx: Context) -> list:
+    out = [None] * ctx.num_workers
+    dist.all_gather_object(out, obj, group=ctx.worker_group)
+    return out
+
+
+def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: list[str],
+         plan: dict, info: dict) -> dict:
+    windows = [w for w, _, _ in per_rank]
+    rank_iters = [it for _, it, _ in per_rank]
+    phase_means = torch.tensor([p for _, _, p in per_rank], dtype=torch.float64).mean(dim=(0, 1))
+    samples = ctx.num_workers * cfg.model.local_batch_size * cfg.run.timed_iters
+    return {
+        **identity(cfg, run_id=ctx.run_id, repeat=repeat), **info,
+        "throughput": samples / max(windows), "timed_s": max(windows),
+        "iter_times_s": [max(ts) for ts in zip(*rank_iters)], "rank_iter_times_s": rank_iters,
+        **dict(zip(PHASES, phase_means.tolist())),
+        "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
+        "hostnames": hosts, "plan_json": json.dumps(plan),
+    }
+
+
+def identity(cfg: DictConfig, *, run_id: str, repeat: int) -> dict:
+    """The identity, parameter and provenance columns of a row of this run."""
+    return {
+        "run_id": run_id, "model": cfg.model.name, "method": cfg.method.name,
+        "network": cfg.network.name, "nodes": cfg.cluster.nodes,
+        "workers_per_node": cfg.cluster.workers_per_node, "world_size": num_workers(cfg),
+        "servers": num_servers(cfg), "repeat": repeat,
+        "local_batch_size": cfg.model.local_batch_size, "source": "measured",
+        "warmup_iters": cfg.run.warmup_iters, "timed_iters": cfg.run.timed_iters,
+        "seed": cfg.run.seed, "git_commit": git_commit(), "torch_version": torch.__version__,
+        "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
+        "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
+        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "config_json": to_json(cfg),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: str) -> None:
+    """Write a failed row for `repeat` (default: the first repeat without a shard)."""
+    if repeat is None:
+        repeat = 0
+        while results.shard_path(cfg.results_dir, run_id, repeat).exists():
+            repeat += 1
+    row = {**identity(cfg, run_id=run_id, repeat=repeat), "status": "failed", "error": error}
+    results.write_shard(results.shard_path(cfg.results_dir, run_id, repeat), [row])
+
+
+def summarize(cfg: DictConfig, run_id: str) -> str:
+    """One line: this run's throughput, its speedup over a 1-worker baseline, its shards."""
+    frame = results.load(Path(cfg.results_dir))
+    mine = frame[(frame.run_id == run_id) & (frame.status == "ok")]
+    where = f"shards: {cfg.results_dir}/{run_id}_r*.parquet"
+    if mine.empty:
+        return f"{cfg.model.name} {cfg.method.name}: no successful repeat; {where}"
+    tput = mine.throughput
+    line = (f"{cfg.model.name} {cfg.method.name} x{num_workers(cfg)} workers: "
+            f"{tput.mean():.1f} ± {tput.std(ddof=0):.1f} samples/s over {len(tput)} repeats")
+    base = frame[(frame.model == cfg.model.name) & (frame.world_size == 1)
+                 & (frame.status == "ok") & (frame.network == cfg.network.name)
+                 & (frame.local_batch_size == cfg.model.local_batch_size)]
+    if not base.empty and num_workers(cfg) > 1:
+        line += f"; speedup {tput.mean() / base.throughput.mean():.2f}x over 1 worker"
+    return f"{line}; {where}"
+
+
+if __name__ == "__main__":
+    sys.exit("run benchmarks with: python -m harness.run")

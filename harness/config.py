@@ -1,0 +1,271 @@
+"""Compose, expand and validate configurations before any process starts.
+
+Every command composes conf/bench.yaml with the user's overrides through Hydra's
+Compose API, expands sweeps (comma lists, `hydra.sweeper.params` of an
+experiment) into one override list per job, and checks each composed config
+against typed schemas and the rules below. A `ConfigError` carries a one-line
+message naming the bad value and the fix; entry points print it and exit 2.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "method", "cluster", "network", "experiment")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported as one line before anything starts."""
+
+
+@dataclass
+class OptimizerConf:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ModelConf:
+    name: str = "???"
+    family: str = "???"
+    local_batch_size: int = 1
+    build: dict[str, Any] = field(default_factory=dict)
+    optimizer: OptimizerConf = field(default_factory=OptimizerConf)
+
+
+@dataclass
+class MethodConf:
+    name: str = "???"
+    transport: dict[str, Any] = field(default_factory=dict)
+    planner: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterConf:
+    name: str = "local"
+    nodes: int = 1
+    workers_per_node: int = 1
+    servers: int | None = None
+    device: str = "auto"
+    backend: str = "auto"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+
+@dataclass
+class FaultConf:
+    """Fault injection, to test failure handling: rank `rank` fails at iteration `at_iter`."""
+
+    rank: int = -1        # -1: no fault
+    at_iter: int = 0      # counted over warm-up and timed iterations of all repeats
+    kind: str = "raise"   # raise | exit (the process dies) | hang (sleeps forever)
+
+
+@dataclass
+class RunConf:
+    warmup_iters: int = 10
+    timed_iters: int = 100
+    repeats: int = 5
+    seed: int = 0
+    timeout_s: float = 300.0
+    threads: int = 0
+    fault: FaultConf = field(default_factory=FaultConf)
+
+
+@dataclass
+class VerifyConf:
+    steps: int = 3
+    atol: float = 1e-5
+    rtol: float = 1.3e-6
+
+
+@dataclass
+class BenchConf:
+    model: ModelConf = field(default_factory=ModelConf)
+    method: MethodConf = field(default_factory=MethodConf)
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    network: dict[str, Any] = field(default_factory=lambda: {"name": "loopback"})
+    run: RunConf = field(default_factory=RunConf)
+    verify: VerifyConf = field(default_factory=VerifyConf)
+    results_dir: str = "results"
+
+
+def choices(group: str) -> list[str]:
+    """The names users can type for a config group: the file stems in conf/<group>/."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _parse(overrides: list[str]) -> list:
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
+        raise ConfigError(f"cannot parse overrides {overrides}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _check_choices(overrides: list[str]) -> None:
+    for ov in _parse(overrides):
+        key = ov.key_or_group
+        if key not in GROUPS:
+            continue
+        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
+        for value in values:
+            if value is not None and str(value) not in choices(key):
+                raise ConfigError(
+                    f"{key} {str(value)!r} is unknown; choose one of: {', '.join(choices(key))}"
+                )
+
+
+def compose_raw(overrides: list[str], *, hydra_node: bool = False) -> DictConfig:
+    """Compose conf/bench.yaml with `overrides` (no sweeps), unvalidated."""
+    _check_choices(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose("bench", overrides=overrides, return_hydra_config=hydra_node)
+    except Exception as exc:  # noqa: BLE001 - any compose error is bad input
+        raise ConfigError(f"bad configuration {overrides}: {_first_line(exc)}") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """One override list per job: the product of every sweep, first key slowest.
+
+    Sweeps come from the experiment's `hydra.sweeper.params` and from comma
+    lists on the command line (which win over the experiment's for a key).
+    """
+    overrides = [o for o in overrides if o not in ("-m", "--multirun")]
+    parsed = _parse(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    sweeps = {o.key_or_group: list(o.sweep_string_iterator())
+              for o in parsed if o.is_sweep_override()}
+    base = compose_raw(fixed, hydra_node=True)
+    params = dict(base.hydra.sweeper.get("params") or {})
+    swept = {k: [str(v).strip() for v in _parse([f"{k}={v}"])[0].sweep_string_iterator()]
+             for k, v in params.items() if k not in sweeps}
+    swept.update(sweeps)
+    keys = list(swept)
+    return [fixed + [f"{k}={v}" for k, v in zip(keys, combo)]
+            for combo in itertools.product(*(swept[k] for k in keys))]
+
+
+def load(overrides: list[str]) -> DictConfig:
+    """Compose one job's config, apply the schema and check every rule."""
+    cfg = compose_raw(overrides)
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(BenchConf), cfg)
+    except Exception as exc:  # noqa: BLE001 - omegaconf type errors
+        msg = _first_line(exc)
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"{key}: {msg}" if key else msg) from None
+    validate(typed)
+    return typed
+
+
+def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name}={value} is invalid; it must be {bound}")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is invalid; choose one of: {', '.join(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first rule `cfg` breaks."""
+    for name in ("model.local_batch_size", "cluster.nodes", "cluster.workers_per_node",
+                 "run.timed_iters", "run.repeats", "run.timeout_s", "verify.steps"):
+        _positive(name, OmegaConf.select(cfg, name))
+    for name in ("run.warmup_iters", "run.threads", "verify.atol", "verify.rtol"):
+        _positive(name, OmegaConf.select(cfg, name), zero_ok=True)
+    if cfg.cluster.servers is not None:
+        _positive("cluster.servers", cfg.cluster.servers, zero_ok=True)
+    _one_of("cluster.device", cfg.cluster.device, ("auto", "cpu", "cuda"))
+    _one_of("cluster.backend", cfg.cluster.backend, ("auto", "gloo", "nccl"))
+    _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
+    _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
+    _check_model(cfg.model)
+    _check_method(cfg.method)
+    _check_devices(cfg.cluster)
+
+
+def _check_model(model: DictConfig) -> None:
+    import models
+
+    if model.family not in models.FAMILIES:
+        raise ConfigError(f"model.family={model.family!r} is unknown; "
+                          f"choose one of: {', '.join(sorted(models.FAMILIES))}")
+    accepted = inspect.signature(models.FAMILIES[model.family]).parameters
+    for key in model.build:
+        if key not in accepted:
+            raise ConfigError(f"model.build.{key} is not an argument of the {model.family} "
+                              f"family; it takes: {', '.join(accepted)}")
+
+
+def _check_method(method: DictConfig) -> None:
+    import methods
+
+    try:
+        methods.check(OmegaConf.to_container(method, resolve=True))
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(_first_line(exc)) from None
+
+
+def _check_devices(cluster: DictConfig) -> None:
+    import torch
+
+    if cluster.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
+    if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":
+        raise ConfigError("cluster.backend=nccl needs GPUs; use cluster.backend=gloo on CPU")
+    gpus = torch.cuda.device_count()
+    if resolve_device(cluster) == "cuda" and cluster.workers_per_node > gpus:
+        raise ConfigError(f"cluster.workers_per_node={cluster.workers_per_node} exceeds the "
+                          f"{gpus} GPUs of this node; lower it or use cluster.device=cpu")
+
+
+def resolve_device(cluster: DictConfig) -> str:
+    """'cuda' or 'cpu' for cluster.device=auto|cuda|cpu on this machine."""
+    import torch
+
+    if cluster.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cluster.device
+
+
+def resolve_backend(cluster: DictConfig) -> str:
+    if cluster.backend == "auto":
+        return "nccl" if resolve_device(cluster) == "cuda" else "gloo"
+    return cluster.backend
+
+
+def to_json(cfg: DictConfig) -> str:
+    import json
+
+    return json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True)
+
+
+def from_json(text: str) -> DictConfig:
+    import json
+
+    return OmegaConf.merge(OmegaConf.structured(BenchConf), json.loads(text))

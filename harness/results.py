@@ -1,0 +1,122 @@
+"""Results are data: one parquet shard per run and repeat, merged by `load`.
+
+A shard is written once with exclusive create and never overwritten, so
+concurrent writers (array tasks, ranks reporting a failure) cannot clobber
+each other's rows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Column groups of a result row. Every shard carries all of them (missing
+# values are null), so frames from different runs concatenate cleanly.
+IDENTITY = [
+    "run_id", "model", "method", "network", "nodes", "workers_per_node", "world_size",
+    "servers", "repeat", "local_batch_size", "source",
+]
+MODEL_INFO = ["model_params", "model_tensors", "model_intensity"]
+PARAMETERS = ["warmup_iters", "timed_iters", "seed"]
+METRICS = [
+    "throughput", "timed_s", "iter_times_s", "rank_iter_times_s",
+    "forward_s", "backward_s", "comm_s", "update_s",
+]
+STATUS = ["status", "error"]
+PROVENANCE = [
+    "git_commit", "torch_version", "backend", "device", "hostnames", "slurm_job_id",
+    "slurm_array_task_id", "started_at", "config_json", "plan_json",
+]
+COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE
+
+SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("model", pa.string()), ("method", pa.string()),
+    ("network", pa.string()), ("nodes", pa.int64()), ("workers_per_node", pa.int64()),
+    ("world_size", pa.int64()), ("servers", pa.int64()), ("repeat", pa.int64()),
+    ("local_batch_size", pa.int64()), ("source", pa.string()),
+    ("model_params", pa.int64()), ("model_tensors", pa.int64()),
+    ("model_intensity", pa.float64()),
+    ("warmup_iters", pa.int64()), ("timed_iters", pa.int64()), ("seed", pa.int64()),
+    ("throughput", pa.float64()), ("timed_s", pa.float64()),
+    ("iter_times_s", pa.list_(pa.float64())),
+    ("rank_iter_times_s", pa.list_(pa.list_(pa.float64()))),
+    ("forward_s", pa.float64()), ("backward_s", pa.float64()),
+    ("comm_s", pa.float64()), ("update_s", pa.float64()),
+    ("status", pa.string()), ("error", pa.string()),
+    ("git_commit", pa.string()), ("torch_version", pa.string()), ("backend", pa.string()),
+    ("device", pa.string()), ("hostnames", pa.list_(pa.string())),
+    ("slurm_job_id", pa.string()), ("slurm_array_task_id", pa.string()),
+    ("started_at", pa.string()), ("config_json", pa.string()), ("plan_json", pa.string()),
+])
+assert SCHEMA.names == COLUMNS
+
+
+def shard_path(results_dir: str | os.PathLike, run_id: str, repeat: int) -> Path:
+    """Where the shard of one repeat of one run lives."""
+    return Path(results_dir) / f"{run_id}_r{repeat}.parquet"
+
+
+def write_shard(path: str | os.PathLike, rows: Sequence[dict]) -> bool:
+    """Write `rows` to a new shard at `path`; return False if it already exists.
+
+    Unknown keys are an error (a typo would otherwise silently drop data);
+    missing keys become nulls.
+    """
+    path = Path(path)
+    for row in rows:
+        unknown = set(row) - set(COLUMNS)
+        if unknown:
+            raise KeyError(f"result row has unknown columns {sorted(unknown)}; known: {COLUMNS}")
+    table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=SCHEMA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    try:
+        os.link(tmp, path)  # atomic exclusive create: fails if a shard is already there
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
+
+
+def shard_files(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
+    """Expand directories (recursively) and files into a sorted list of shard files."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(sorted(p.rglob("*.parquet")) if p.is_dir() else [p])
+    return files
+
+
+def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame:
+    """Merge shards (files or directories of them) into one DataFrame.
+
+    Columnar: the shards are read as one pyarrow dataset, not row by row.
+    Unreadable shards raise; use `load_report` to collect them instead.
+    """
+    frame, bad = load_report(paths)
+    if bad:
+        raise ValueError(f"unreadable shards: {bad}")
+    return frame
+
+
+def load_report(
+    paths: str | os.PathLike | Iterable[str | os.PathLike],
+) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
+    """Like `load`, but return (frame, [(path, error), ...]) for unreadable shards."""
+    tables, bad = [], []
+    for f in shard_files(paths):
+        try:
+            tables.append(pq.read_table(f, schema=SCHEMA))
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported, not fatal
+            bad.append((f, f"{type(exc).__name__}: {exc}"))
+    if not tables:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in COLUMNS}), bad
+    return pa.concat_tables(tables).to_pandas(), bad

@@ -1,0 +1,43 @@
+"""`python -m harness.run [overrides]`: benchmark one configuration, or a sweep.
+
+    python -m harness.run model=bert_tiny method=ddp cluster.workers_per_node=2
+    python -m harness.run -m experiment=smoke
+
+Every job of a sweep is composed and validated before the first one starts; a
+bad value stops everything with a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from harness import config
+from harness.bench import summarize
+from harness.launch import check_launcher, launch
+
+
+def main(argv: list[str]) -> int:
+    try:
+        jobs = config.expand(argv)
+        cfgs = [config.load(job) for job in jobs]
+        for cfg in cfgs:
+            check_launcher(cfg)
+    except config.ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
+    failed = 0
+    for i, (job, cfg) in enumerate(zip(jobs, cfgs), start=1):
+        if len(jobs) > 1:
+            print(f"== job {i}/{len(jobs)}: {' '.join(job)}", flush=True)
+        code, run_id = launch(cfg, entry="harness.bench")
+        if run_id is not None:
+            print(summarize(cfg, run_id), flush=True)
+        failed += code != 0
+    if len(jobs) > 1:
+        print(f"{len(jobs) - failed} of {len(jobs)} jobs succeeded; results in "
+              f"{cfgs[0].results_dir}/ (draw them: python -m harness.report)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""`python -m harness.verify [overrides]`: is a method lossless on this cluster?
+
+Runs `verify.steps` training steps of the configured method on every worker
+and, on rank 0, of a single-process reference that processes the same N local
+batches one after another, averages their gradients and steps the same
+optimizer (dropout is reseeded identically per step and rank). Prints
+`max_abs_diff=<value>` (method vs reference) and `max_rank_diff=<value>`
+(spread of the parameters across ranks); exits 0 when the parameters match
+within verify.atol/rtol and are identical on every rank, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+import models
+from harness import config
+from harness.bench import batch_generator, build, make_optimizer, model_of
+from harness.launch import Context, check_launcher, launch
+
+
+def dropout_seed(seed: int, step: int, rank: int) -> int:
+    return seed * 7_919 + step * 104_729 + rank
+
+
+def local_batch(model: nn.Module, cfg: DictConfig, rank: int, step: int) -> models.Batch:
+    return model_of(model).make_batch(cfg.model.local_batch_size,
+                                      batch_generator(cfg.run.seed, rank, step))
+
+
+def reference(cfg: DictConfig, *, workers: int, device: torch.device) -> nn.Module:
+    """The single-process run the method must equal: N local batches, averaged gradients."""
+    model = models.build(cfg.model.family, cfg.model.build, seed=cfg.run.seed).to(device)
+    optimizer = make_optimizer(model, cfg.model.optimizer)
+    for step in range(cfg.verify.steps):
+        optimizer.zero_grad(set_to_none=False)
+        for rank in range(workers):
+            torch.manual_seed(dropout_seed(cfg.run.seed, step, rank))
+            model(models.move_batch(local_batch(model, cfg, rank, step), device)).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(workers)
+        optimizer.step()
+    return model
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model_of(model).parameters()])
+
+
+def worker(cfg: DictConfig, ctx: Context) -> None:
+    """Entry of every rank for `python -m harness.verify`."""
+    model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
+    for step in range(cfg.verify.steps):
+        batch = models.move_batch(local_batch(model, cfg, ctx.rank, step), ctx.device)
+        torch.manual_seed(dropout_seed(cfg.run.seed, step, ctx.rank))
+        model(batch).backward()
+        method.synchronize()
+        method.step(optimizer)
+        method.zero_grad()
+    method.drain()
+    mine = flat_params(model)
+    theirs = mine.clone()
+    dist.broadcast(theirs, src=0, group=ctx.worker_group)
+    rank_diff = (mine - theirs).abs().max()
+    dist.all_reduce(rank_diff, op=dist.ReduceOp.MAX, group=ctx.worker_group)
+    method.close()
+    if ctx.rank != 0:
+        return
+    ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device))
+    diff = (mine - ref).abs().max().item()
+    close = torch.allclose(mine, ref, atol=cfg.verify.atol, rtol=cfg.verify.rtol)
+    print(f"max_abs_diff={diff:.3e} max_rank_diff={rank_diff.item():.3e}", flush=True)
+    if not close or rank_diff.item() != 0:
+        raise SystemExit(1)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = config.load(argv)
+        check_launcher(cfg)
+    except config.ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
+    code, _ = launch(cfg, entry="harness.verify")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
