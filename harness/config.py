@@ -146,21 +146,29 @@ def compose_raw(overrides: list[str], *, hydra_node: bool = False) -> DictConfig
         GlobalHydra.instance().clear()
 
 
+def _values(override: str) -> list[str]:
+    """The values an override takes: several for a sweep, else one."""
+    ov = _parse([override])[0]
+    if ov.is_sweep_override():
+        return [str(v).strip() for v in ov.sweep_string_iterator()]
+    return [str(ov.value())]
+
+
 def expand(overrides: list[str]) -> list[list[str]]:
     """One override list per job: the product of every sweep, first key slowest.
 
     Sweeps come from the experiment's `hydra.sweeper.params` and from comma
-    lists on the command line (which win over the experiment's for a key).
+    lists on the command line; a key given on the command line wins over the
+    experiment's sweep of it.
     """
     overrides = [o for o in overrides if o not in ("-m", "--multirun")]
     parsed = _parse(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    sweeps = {o.key_or_group: list(o.sweep_string_iterator())
-              for o in parsed if o.is_sweep_override()}
+    sweeps = {o.key_or_group: _values(o.input_line) for o in parsed if o.is_sweep_override()}
     base = compose_raw(fixed, hydra_node=True)
     params = dict(base.hydra.sweeper.get("params") or {})
-    swept = {k: [str(v).strip() for v in _parse([f"{k}={v}"])[0].sweep_string_iterator()]
-             for k, v in params.items() if k not in sweeps}
+    given = {o.key_or_group for o in parsed}
+    swept = {k: _values(f"{k}={v}") for k, v in params.items() if k not in given}
     swept.update(sweeps)
     keys = list(swept)
     return [fixed + [f"{k}={v}" for k, v in zip(keys, combo)]

@@ -182,14 +182,13 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def _record_failure(cfg: DictConfig, *, entry: str, run_id: str, run_dir: Path,
                     error: str) -> None:
-    """Keep the failure as data, with the first worker's own error when it left one."""
+    """Report the failure; keep it as data unless a rank that failed already did."""
     errors = sorted(run_dir.glob("error.rank*.txt"))
-    if errors:
+    if errors:  # the rank recorded its own failure, with the repeat it was in
         error = errors[0].read_text().strip()
-    print(f"ddlbench: run {run_id} failed: {error.splitlines()[-1] if error else ''}",
-          file=sys.stderr)
+    print(f"ddlbench: run {run_id} failed: {error}", file=sys.stderr)
     module = importlib.import_module(entry)
-    if hasattr(module, "record_failure"):
+    if not errors and hasattr(module, "record_failure"):
         module.record_failure(cfg, run_id=run_id, repeat=None, error=error)
 
 

@@ -1,0 +1,124 @@
+"""End to end: real worker processes over Gloo, shards on disk, failures brought down."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness import config, results
+from tests.conftest import TINY, live_processes, run_module
+
+
+def _run(results_dir, *overrides: str, timeout: float = 300):
+    return run_module("harness.run", *TINY, f"results_dir={results_dir}", *overrides,
+                      timeout=timeout)
+
+
+def _assert_no_orphans(frame) -> None:
+    for run_id in frame.run_id.unique():
+        assert live_processes(run_id) == [], f"processes of run {run_id} were left behind"
+
+
+@pytest.mark.parametrize("method", config.choices("method"))
+def test_two_worker_run_writes_a_valid_shard(method: str, results_dir) -> None:
+    out = _run(results_dir, f"method={method}", "cluster.workers_per_node=2")
+    assert out.returncode == 0, out.stderr
+    frame = results.load(results_dir)
+    assert len(frame) == 1
+    row = frame.iloc[0]
+    assert (row.method, row.world_size, row.status, row.source) == (method, 2, "ok", "measured")
+    assert row.throughput > 0 and row.timed_s > 0
+    assert len(row.iter_times_s) == 2 and len(row.rank_iter_times_s) == 2
+    # each rank's iterations fill its window; the slowest rank's window is the timed one
+    windows = [sum(times) for times in row.rank_iter_times_s]
+    assert max(windows) == pytest.approx(row.timed_s)
+    assert list(row.iter_times_s) == [max(ts) for ts in zip(*row.rank_iter_times_s)]
+    expected = 2 * row.local_batch_size * 2 / row.timed_s
+    assert row.throughput == pytest.approx(expected)
+    for phase in ("forward_s", "backward_s", "comm_s", "update_s"):
+        assert row[phase] >= 0
+    assert row.forward_s > 0 and row.backward_s > 0
+    assert row.model_intensity > 0 and row.model_tensors == 161
+    assert len(row.hostnames) == 2 and row.backend == "gloo" and row.torch_version
+    assert f"{row.run_id} " in out.stdout or row.run_id in out.stdout
+    assert "samples/s" in out.stdout
+    _assert_no_orphans(frame)
+
+
+def test_repeats_are_separate_shards_and_summary_shows_speedup(results_dir) -> None:
+    assert _run(results_dir, "model=bert_tiny", "method=bsp_a2a").returncode == 0
+    out = _run(results_dir, "model=bert_tiny", "method=bsp_a2a", "cluster.workers_per_node=2",
+               "run.repeats=2")
+    assert out.returncode == 0, out.stderr
+    frame = results.load(results_dir)
+    two = frame[frame.world_size == 2]
+    assert sorted(two.repeat) == [0, 1] and two.run_id.nunique() == 1
+    assert len(list(results_dir.glob("*.parquet"))) == 3
+    assert "speedup" in out.stdout and "over 1 worker" in out.stdout
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_failing_worker_brings_the_run_down_and_keeps_earlier_shards(kind: str,
+                                                                      results_dir) -> None:
+    # rank 1 fails in the second repeat (iterations 0-2 are the first repeat's)
+    started = time.monotonic()
+    out = _run(results_dir, "cluster.workers_per_node=2", "run.repeats=2",
+               "run.fault.rank=1", "run.fault.at_iter=4", f"run.fault.kind={kind}")
+    assert out.returncode != 0
+    assert time.monotonic() - started < 60 + 60, "the run must end within run.timeout_s"
+    frame = results.load(results_dir).sort_values("repeat")
+    assert frame.status.tolist() == ["ok", "failed"]
+    assert frame.repeat.tolist() == [0, 1]
+    failed = frame.iloc[1]
+    expected = "injected fault" if kind == "raise" else "exited with code 3"
+    assert expected in failed.error and "rank 1" in failed.error
+    assert "failed" in out.stderr
+    _assert_no_orphans(frame)
+
+
+def test_hanging_worker_fails_within_the_timeout(results_dir) -> None:
+    started = time.monotonic()
+    out = _run(results_dir, "cluster.workers_per_node=2", "run.timeout_s=10",
+               "run.fault.rank=0", "run.fault.at_iter=1", "run.fault.kind=hang", timeout=180)
+    elapsed = time.monotonic() - started
+    assert out.returncode != 0
+    assert elapsed < 10 + 60, f"took {elapsed:.0f}s"  # timeout plus start-up on 2 cores
+    frame = results.load(results_dir)
+    assert frame.status.tolist() == ["failed"] and frame.error.iloc[0]
+    _assert_no_orphans(frame)
+
+
+@pytest.mark.parametrize("method", ["bsp_a2a", "ddp"])
+def test_verify_passes(method: str) -> None:
+    out = run_module("harness.verify", f"method={method}", "cluster.workers_per_node=2",
+                     "model=bert_tiny")
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("max_abs_diff=") and "max_rank_diff=0.000e+00" in line
+
+
+def test_verify_fails_when_the_tolerance_is_impossible() -> None:
+    # three workers sum in a different order than the reference, so the parameters
+    # differ by rounding; a negative tolerance cannot be met, and verify must say so
+    out = run_module("harness.verify", "cluster.workers_per_node=3", "model=bert_tiny",
+                     "verify.atol=0", "verify.rtol=0")
+    diff = float(out.stdout.strip().splitlines()[-1].split()[0].split("=")[1])
+    assert (out.returncode == 1) == (diff > 0), out.stdout
+
+
+def test_torchrun_starts_the_same_workers(results_dir) -> None:
+    out = run_module("torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                     "-m", "harness.run", *TINY, "cluster.workers_per_node=2",
+                     f"results_dir={results_dir}", timeout=300)
+    assert out.returncode == 0, out.stderr
+    frame = results.load(results_dir)
+    assert frame.status.tolist() == ["ok"] and frame.world_size.tolist() == [2]
+    assert out.stdout.count("samples/s over") == 1, "only rank 0 reports"
+
+
+def test_torchrun_size_mismatch_is_bad_input(results_dir) -> None:
+    out = run_module("torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                     "-m", "harness.run", *TINY, f"results_dir={results_dir}", timeout=300)
+    assert out.returncode != 0 and "make them agree" in out.stderr
+    assert not results_dir.exists()
