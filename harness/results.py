@@ -108,11 +108,17 @@ def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame
     return frame
 
 
+def _empty() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object) for c in COLUMNS})
+
+
 def load_report(
     paths: str | os.PathLike | Iterable[str | os.PathLike],
 ) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
     """Like `load`, but return (frame, [(path, error), ...]) for unreadable shards."""
     files = shard_files(paths)
+    if not files:
+        return _empty(), []
     try:  # the fast path: every shard in one columnar read
         table = ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
         return table.to_pandas(), []
@@ -124,5 +130,6 @@ def load_report(
             tables.append(pq.read_table(f, schema=SCHEMA))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported, not fatal
             bad.append((f, f"{type(exc).__name__}: {exc}"))
-    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-    return table.to_pandas(), bad
+    if not tables:
+        return _empty(), bad
+    return pa.concat_tables(tables).to_pandas(), bad
