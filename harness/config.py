@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class ClusterConf:
     backend: str = "auto"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    slurm: dict[str, Any] = field(default_factory=dict)  # submission settings (harness.submit)
 
 
 @dataclass
@@ -214,7 +216,9 @@ def validate(cfg: DictConfig) -> None:
     _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
     _check_model(cfg.model)
     _check_method(cfg.method)
+    _check_servers(cfg.method, cfg.cluster)
     _check_devices(cfg.cluster)
+    _check_network(cfg)
 
 
 def _check_model(model: DictConfig) -> None:
@@ -239,6 +243,13 @@ def _check_method(method: DictConfig) -> None:
         raise ConfigError(_first_line(exc)) from None
 
 
+def _check_servers(method: DictConfig, cluster: DictConfig) -> None:
+    """A parameter-server method needs at least one server."""
+    if method.transport.get("name") == "ps" and cluster.servers == 0:
+        raise ConfigError(f"method {method.name!r} uses parameter servers but cluster.servers=0; "
+                          "set cluster.servers >= 1, or null for one per node")
+
+
 def _check_devices(cluster: DictConfig) -> None:
     import torch
 
@@ -250,6 +261,26 @@ def _check_devices(cluster: DictConfig) -> None:
     if resolve_device(cluster) == "cuda" and cluster.workers_per_node > gpus:
         raise ConfigError(f"cluster.workers_per_node={cluster.workers_per_node} exceeds the "
                           f"{gpus} GPUs of this node; lower it or use cluster.device=cpu")
+
+
+def _check_network(cfg: DictConfig) -> None:
+    from harness import netem
+
+    rate = cfg.network.get("rate_mbit")
+    if rate is not None:
+        _positive("network.rate_mbit", rate)
+        if cfg.cluster.name != "emulated":
+            raise ConfigError(f"network={cfg.network.name} limits links, which only an emulated "
+                              "cluster has; add cluster=emulated (or use network=loopback)")
+    if cfg.cluster.name == "emulated":
+        if os.geteuid() != 0:
+            raise ConfigError("cluster=emulated makes network namespaces and needs root; "
+                              "run as root or use cluster=local")
+        if netem.missing_tools():
+            raise ConfigError(f"cluster=emulated needs {' and '.join(netem.missing_tools())} "
+                              "on PATH; install iproute2 (apt-get install -y iproute2)")
+        if cfg.cluster.device != "cpu":
+            raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")
 
 
 def resolve_device(cluster: DictConfig) -> str:

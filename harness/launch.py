@@ -10,6 +10,7 @@ directly. An entry is a module with `worker(cfg, ctx)`, and optionally
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as dt
 import importlib
@@ -22,6 +23,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from harness import netem
 from harness.config import ConfigError, from_json, resolve_backend, resolve_device, to_json
 
 POLL_S = 0.1
@@ -83,8 +86,22 @@ def external_rank() -> dict[str, int] | None:
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and "MASTER_ADDR" in env:
         return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", 0)),
-                "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", 1))}
+                "local_world_size": _slurm_local_tasks(env)}
     return None
+
+
+def _slurm_local_tasks(env: os._Environ | dict[str, str]) -> int:
+    """Tasks of this srun step on this node. SLURM_STEP_TASKS_PER_NODE ("4(x2),5", one
+    count per node of the step) is exact for every distribution, including arbitrary
+    placements where SLURM_NTASKS_PER_NODE is absent or wrong."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return int(env.get("SLURM_NTASKS_PER_NODE", 1))
+    counts: list[int] = []
+    for part in spec.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
 
 
 def check_launcher(cfg: DictConfig) -> None:
@@ -122,30 +139,68 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int,
-           cfg: DictConfig, run_id: str) -> subprocess.Popen:
+def host_of(cfg: DictConfig, rank: int) -> int:
+    """The node a rank runs on: workers fill nodes in order, each server has a node of its own."""
+    workers = num_workers(cfg)
+    return rank // cfg.cluster.workers_per_node if rank < workers else cfg.cluster.nodes + (
+        rank - workers)
+
+
+def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int, run_id: str,
+           master_addr: str, wrap: Callable[[list[str]], list[str]], extra_env: dict[str, str]
+           ) -> subprocess.Popen:
     env = dict(os.environ, DDLBENCH_RANK=str(rank), DDLBENCH_WORLD_SIZE=str(world),
-               DDLBENCH_RUN_ID=run_id, MASTER_ADDR=cfg.cluster.master_addr,
-               MASTER_PORT=str(port))
+               DDLBENCH_RUN_ID=run_id, MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+               **extra_env)
     return subprocess.Popen(
-        [sys.executable, "-m", "harness.launch", entry, str(cfg_path)],
+        wrap([sys.executable, "-m", "harness.launch", entry, str(cfg_path)]),
         env=env, start_new_session=True, preexec_fn=_die_with_parent,
     )
 
 
-def _launch_local(cfg: DictConfig, *, entry: str) -> int:
+def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
     run_id = new_run_id(cfg)
     world = num_workers(cfg) + num_servers(cfg)
     port = cfg.cluster.master_port or _free_port()
-    with tempfile.TemporaryDirectory(prefix=f"ddlbench-{run_id}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"ddlbench-{run_id}-") as tmp, \
+            _network(cfg, hosts=cfg.cluster.nodes + num_servers(cfg)) as net:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(to_json(cfg))
-        procs = [_spawn(cfg_path, entry=entry, rank=r, world=world, port=port, cfg=cfg,
-                        run_id=run_id) for r in range(world)]
+        procs = []
+        for rank in range(world):
+            host = host_of(cfg, rank)
+            procs.append(_spawn(
+                cfg_path, entry=entry, rank=rank, world=world, port=port, run_id=run_id,
+                master_addr=net.address(0) if net else cfg.cluster.master_addr,
+                wrap=(lambda argv, h=host: net.command(h, argv)) if net else list,
+                extra_env={"GLOO_SOCKET_IFNAME": netem.IFNAME} if net else {},
+            ))
         code, error = _watch(procs)
         if code != 0:
             _record_failure(cfg, entry=entry, run_id=run_id, run_dir=Path(tmp), error=error)
         return code, run_id
+
+
+@contextlib.contextmanager
+def _network(cfg: DictConfig, *, hosts: int) -> Iterator[netem.EmulatedNetwork | None]:
+    """The run's emulated network (cluster=emulated), removed afterwards; else None.
+
+    SIGTERM is turned into KeyboardInterrupt meanwhile, so a killed launcher
+    still stops its ranks and removes the namespaces.
+    """
+    if cfg.cluster.name != "emulated":
+        yield None
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with netem.EmulatedNetwork(hosts=hosts, rate_mbit=cfg.network.get("rate_mbit")) as net:
+            yield net
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _watch(procs: list[subprocess.Popen]) -> tuple[int, str]:
@@ -206,7 +261,8 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
     module = importlib.import_module(entry)
     device_type = resolve_device(cfg.cluster)
     backend = resolve_backend(cfg.cluster)
-    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    on_gpu = device_type == "cuda" and rank < num_workers(cfg)  # servers are CPU processes
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(_threads(cfg, local_world_size))

@@ -17,6 +17,10 @@ from harness.launch import check_launcher, launch
 
 
 def main(argv: list[str]) -> int:
+    if any(a.startswith("hydra/launcher=") for a in argv):  # Hydra's launcher plugins
+        from harness.submit import hydra_main
+
+        return hydra_main(argv)
     try:
         jobs = config.expand(argv)
         cfgs = [config.load(job) for job in jobs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness import config, run
-from tests.conftest import run_module
+from tests.conftest import TINY, run_module
 
 
 @pytest.mark.parametrize("group", ["model", "method", "cluster", "network"])
@@ -68,8 +68,10 @@ def test_defaults() -> None:
         ("run.nope=1", ["run.nope"]),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(override: str, words: list[str], capsys) -> None:
-    assert run.main([override]) == 2
+def test_bad_input_is_one_line_and_exit_2(override: str, words: list[str], capsys,
+                                          tmp_path) -> None:
+    # tiny and in a scratch folder, so that a missed check costs seconds, not a benchmark
+    assert run.main([*TINY, f"results_dir={tmp_path}", override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     for word in words:

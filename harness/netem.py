@@ -1,0 +1,101 @@
+"""One machine as a small cluster: network namespaces on a bridge, links rate-limited by tbf.
+
+Each emulated host is a network namespace whose `eth0` is one end of a veth pair;
+the other end sits on a bridge made for the run. A token bucket filter (tc tbf)
+on both ends of every pair limits the host's link in each direction (netem is not
+available on these machines, so there is no added latency). Everything is named
+after a per-run token, made on entry and removed on exit, also on errors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import Sequence
+
+IFNAME = "eth0"  # the host's interface inside its namespace
+SUBNET = "10.231.0"  # private addresses that exist only on the run's own bridge
+PREFIX = "dlb"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _tc(*args: str) -> None:
+    subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+
+
+class EmulatedNetwork:
+    """`hosts` namespaces joined by a bridge; each link limited to `rate_mbit` (None: no limit)."""
+
+    def __init__(self, *, hosts: int, rate_mbit: float | None, burst_kb: int = 64) -> None:
+        if hosts > 250:
+            raise ValueError(f"{hosts} emulated hosts do not fit one /24 subnet; use at most 250")
+        self.hosts, self.rate_mbit, self.burst_kb = hosts, rate_mbit, burst_kb
+        self.token = uuid.uuid4().hex[:6]
+        self.bridge = f"{PREFIX}{self.token}br"
+        self._made: list[tuple[str, ...]] = []  # undo commands, newest last
+
+    def namespace(self, host: int) -> str:
+        return f"{PREFIX}{self.token}n{host}"
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside `host`'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def __enter__(self) -> EmulatedNetwork:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self._made.append(("link", "del", self.bridge))
+            _ip("link", "set", self.bridge, "up")
+            for host in range(self.hosts):
+                self._add_host(host)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _add_host(self, host: int) -> None:
+        ns, outer = self.namespace(host), f"{PREFIX}{self.token}v{host}"
+        inner = f"{PREFIX}{self.token}i{host}"  # renamed to IFNAME once inside the namespace
+        _ip("netns", "add", ns)
+        self._made.append(("netns", "del", ns))  # deleting it also deletes the veth pair
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        self._made.append(("link", "del", outer))
+        _ip("link", "set", inner, "netns", ns)
+        _ip("-n", ns, "link", "set", inner, "name", IFNAME)
+        _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFNAME)
+        _ip("-n", ns, "link", "set", IFNAME, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "set", outer, "master", self.bridge, "up")
+        if self.rate_mbit is not None:
+            limit = ["root", "tbf", "rate", f"{self.rate_mbit}mbit", "burst",
+                     f"{self.burst_kb}kb", "latency", "100ms"]
+            _tc("-n", ns, "qdisc", "add", "dev", IFNAME, *limit)  # host -> bridge
+            _tc("qdisc", "add", "dev", outer, *limit)  # bridge -> host
+
+    def close(self) -> None:
+        """Remove everything this network made; safe to call more than once."""
+        while self._made:
+            undo = self._made.pop()
+            subprocess.run(["ip", *undo], capture_output=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def leftovers(token: str = "") -> list[str]:
+    """Names of namespaces and links of ddlbench networks (of one run, given its token)."""
+    names = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    names += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    marker = PREFIX + token
+    return sorted({w.split("@")[0].rstrip(":") for w in names.split() if w.startswith(marker)})

@@ -1,0 +1,367 @@
+"""`python -m harness.submit experiment=<name> [dry_run=true] [overrides]`: a sweep as
+Slurm job arrays.
+
+    python -m harness.submit experiment=paper dry_run=true
+    python -m harness.submit experiment=smoke cluster.slurm.partition=debug run.repeats=1
+
+Every configuration of the sweep (the union of products of `hydra.sweeper.params` and
+`hydra.sweeper.extra`) is validated first. Configurations that already have a successful
+shard for every repeat in `results_dir` are skipped, so resubmitting reruns only what
+failed or never ran. The rest is grouped by resource shape (nodes x tasks per node):
+Slurm arrays share one resource request, and arrays of heterogeneous jobs are not
+supported, so each shape is one array with one task per configuration. A task reads its
+overrides and rank placement from files written here, and `srun` starts one
+`python -m harness.run` per rank (workers, then parameter servers). The Slurm settings
+are `cluster.slurm.*` of conf/cluster/slurm.yaml. Bad input is one line, exit code 2,
+and nothing is submitted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness import config, results
+from harness.launch import num_servers, num_workers
+
+REPO = Path(__file__).resolve().parent.parent
+SUBMIT_KEYS = ("dry_run",)
+IDENTITY = ("model", "method", "nodes", "workers_per_node", "servers", "network",
+            "local_batch_size", "warmup_iters", "timed_iters")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The resources of one array: every task gets `nodes` nodes x `tasks_per_node` ranks."""
+
+    nodes: int
+    tasks_per_node: int
+
+
+@dataclass
+class Task:
+    """One configuration: its overrides, config, rank placement and resource shape."""
+
+    overrides: list[str]
+    cfg: DictConfig
+    slurm: DictConfig  # cluster.slurm: only submission reads it
+    layout: list[int]  # node index (in the allocation) of each rank: workers, then servers
+
+    @property
+    def shape(self) -> Shape:
+        counts = [self.layout.count(n) for n in range(max(self.layout) + 1)]
+        return Shape(nodes=len(counts), tasks_per_node=max(counts))
+
+
+def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Separate submit's own options (dry_run=...) from the harness overrides."""
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv
+           if "=" in a and a.split("=", 1)[0] in SUBMIT_KEYS}
+    rest = [a for a in argv if a.split("=", 1)[0] not in SUBMIT_KEYS and a not in ("-m",
+                                                                                   "--multirun")]
+    for key, value in own.items():
+        if value.lower() not in ("true", "false"):
+            raise config.ConfigError(f"{key}={value!r} is invalid; use {key}=true or false")
+    if not any(a.split("=", 1)[0].lstrip("+") == "cluster" for a in rest):
+        rest = ["cluster=slurm", *rest]
+    return rest, own
+
+
+def sweep(overrides: list[str]) -> list[list[str]]:
+    """Every job of the sweep: the main product, then each `hydra.sweeper.extra` product.
+
+    Keys given in `overrides` win over both; duplicates are dropped.
+    """
+    jobs = config.expand(overrides)
+    base = config.compose_raw([o for o in overrides if "," not in o], hydra_node=True)
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    for entry in base.hydra.sweeper.get("extra") or []:
+        extra = [f"{k}={v}" for k, v in entry.items() if k not in given]
+        jobs += config.expand([*overrides, *extra])
+    unique: list[list[str]] = []
+    for job in jobs:
+        if job not in unique:
+            unique.append(job)
+    return unique
+
+
+def layout(cfg: DictConfig, slurm: DictConfig) -> list[int]:
+    """Node index of every rank: workers fill `nodes` nodes in order, then the servers go
+    round-robin onto the worker nodes (colocate_servers) or onto nodes of their own."""
+    ranks = [n for n in range(cfg.cluster.nodes) for _ in range(cfg.cluster.workers_per_node)]
+    for s in range(num_servers(cfg)):
+        if slurm.colocate_servers:
+            ranks.append(s % cfg.cluster.nodes)
+        else:
+            ranks.append(cfg.cluster.nodes + s // slurm.servers_per_node)
+    return ranks
+
+
+def identity(cfg: DictConfig) -> tuple:
+    """What makes two runs the same configuration (the result columns in IDENTITY)."""
+    return (cfg.model.name, cfg.method.name, cfg.cluster.nodes, cfg.cluster.workers_per_node,
+            num_servers(cfg), cfg.network.name, cfg.model.local_batch_size,
+            cfg.run.warmup_iters, cfg.run.timed_iters)
+
+
+def completed(results_dir: str | Path) -> dict[tuple, int]:
+    """Count of status-ok repeats per configuration identity among the shards."""
+    frame = results.load(results_dir) if Path(results_dir).is_dir() else None
+    if frame is None or frame.empty:
+        return {}
+    ok = frame[frame.status == "ok"]
+    counts = ok.groupby(list(IDENTITY), dropna=False).size()
+    return {tuple(_plain(v) for v in key): int(n) for key, n in counts.items()}
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value
+
+
+def pending(tasks: list[Task]) -> tuple[list[Task], list[Task]]:
+    """Split tasks into (to run, already done): done = ok repeats >= run.repeats."""
+    counts: dict[str, dict[tuple, int]] = {}
+    todo, done = [], []
+    for task in tasks:
+        where = task.cfg.results_dir
+        counts.setdefault(where, completed(where))
+        ok = counts[where].get(identity(task.cfg), 0)
+        (done if ok >= task.cfg.run.repeats else todo).append(task)
+    return todo, done
+
+
+def load_tasks(overrides: list[str]) -> list[Task]:
+    """Compose, validate and place every configuration of the sweep."""
+    tasks = []
+    for job in sweep(overrides):
+        raw = config.compose_raw(job)
+        slurm = raw.cluster.get("slurm")
+        if slurm is None:
+            raise config.ConfigError(f"cluster {raw.cluster.name!r} has no `slurm` settings; "
+                                     "use cluster=slurm (conf/cluster/slurm.yaml) or a copy")
+        cfg = config.load(job)
+        check_settings(cfg, slurm)
+        tasks.append(Task(overrides=job, cfg=cfg, slurm=slurm, layout=layout(cfg, slurm)))
+    return tasks
+
+
+def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
+    """The cluster.slurm rules that need no Slurm to check."""
+    if slurm.gpus_per_node and cfg.cluster.workers_per_node > slurm.gpus_per_node:
+        raise config.ConfigError(
+            f"cluster.workers_per_node={cfg.cluster.workers_per_node} exceeds "
+            f"cluster.slurm.gpus_per_node={slurm.gpus_per_node}; one GPU per worker")
+    if not slurm.colocate_servers and slurm.servers_per_node < 1:
+        raise config.ConfigError(f"cluster.slurm.servers_per_node={slurm.servers_per_node} "
+                                 "is invalid; it must be >= 1")
+    if not (REPO / slurm.template).is_file():
+        raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} does not exist; "
+                                 "give a path relative to the repository")
+
+
+def group(tasks: list[Task]) -> dict[Shape, list[Task]]:
+    """Tasks by resource shape, smallest first (one array each)."""
+    shapes: dict[Shape, list[Task]] = {}
+    for task in tasks:
+        shapes.setdefault(task.shape, []).append(task)
+    return dict(sorted(shapes.items(), key=lambda kv: (kv[0].nodes, kv[0].tasks_per_node)))
+
+
+def partitions(slurm: DictConfig) -> dict[str, int]:
+    """Partition -> node count, from `sinfo` (the default partition also as '')."""
+    out = _slurm_command(["sinfo", "--noheader", "--format=%P %D"])
+    sizes: dict[str, int] = {}
+    for line in out.splitlines():
+        name, count = line.split()
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        sizes[name] = sizes.get(name, 0) + int(count)
+        if default:
+            sizes[""] = sizes[name]
+    return sizes
+
+
+def _slurm_command(argv: list[str]) -> str:
+    if shutil.which(argv[0]) is None:
+        raise config.ConfigError(f"{argv[0]} is not on PATH; run on a Slurm login node, or "
+                                 "add dry_run=true to only print the job arrays")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        first = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[0]
+        raise config.ConfigError(f"{' '.join(argv)} failed: {first}")
+    return out.stdout
+
+
+def check_cluster(slurm: DictConfig, shapes: list[Shape]) -> None:
+    """The partition exists and has enough nodes for the largest shape."""
+    sizes = partitions(slurm)
+    name = slurm.partition or ""
+    if name not in sizes:
+        known = ", ".join(sorted(k for k in sizes if k))
+        raise config.ConfigError(f"cluster.slurm.partition={slurm.partition!r} is unknown; "
+                                 f"choose one of: {known}")
+    need = max(s.nodes for s in shapes)
+    if need > sizes[name]:
+        raise config.ConfigError(
+            f"a configuration needs {need} nodes but partition "
+            f"{slurm.partition or '(default)'!r} has {sizes[name]}; drop the larger "
+            "cluster.nodes or choose a bigger cluster.slurm.partition")
+
+
+def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_name: str,
+           jobs_dir: Path, workdir: Path) -> str:
+    """The sbatch script of one array: `template` with its {{placeholders}} filled in."""
+    options = [f"--partition={slurm.partition}" if slurm.partition else None,
+               f"--account={slurm.account}" if slurm.account else None,
+               f"--time={slurm.time}" if slurm.time else None,
+               f"--gpus-per-node={slurm.gpus_per_node}" if slurm.gpus_per_node else None,
+               f"--cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else None,
+               *slurm.extra]
+    values = {
+        "job_name": job_name, "last_task": str(count - 1),
+        "throttle": f"%{slurm.max_parallel}" if slurm.max_parallel else "",
+        "nodes": str(shape.nodes), "tasks_per_node": str(shape.tasks_per_node),
+        "log_dir": str(jobs_dir / "logs"), "jobs_dir": str(jobs_dir),
+        "sbatch_options": "\n".join(f"#SBATCH {o}" for o in options if o),
+        "workdir": shlex.quote(str(workdir)), "setup": slurm.setup or "",
+        "python": shlex.quote(sys.executable),
+    }
+    for key, value in values.items():
+        template = template.replace("{{" + key + "}}", value)
+    return template
+
+
+def write_array(tasks: list[Task], shape: Shape, *, root: Path, name: str) -> Path:
+    """Write one array's task list, layout and script under `root`; return the script."""
+    jobs_dir = root / f"{name}-n{shape.nodes}x{shape.tasks_per_node}"
+    (jobs_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (jobs_dir / "tasks.txt").write_text("".join(shlex.join(t.overrides) + "\n" for t in tasks))
+    (jobs_dir / "layout.txt").write_text("".join(" ".join(map(str, t.layout)) + "\n"
+                                                 for t in tasks))
+    script = jobs_dir / "array.sbatch"
+    script.write_text(script_text(tasks, shape, jobs_dir=jobs_dir, name=jobs_dir.name))
+    return script
+
+
+def script_text(tasks: list[Task], shape: Shape, *, jobs_dir: Path, name: str) -> str:
+    slurm = tasks[0].slurm
+    template = (REPO / slurm.template).read_text()
+    return render(template, slurm=slurm, shape=shape, count=len(tasks),
+                  job_name=f"ddlbench-{name}", jobs_dir=jobs_dir.resolve(), workdir=Path.cwd())
+
+
+def sbatch(script: Path) -> str:
+    """Submit `script`; return the array's job id."""
+    out = _slurm_command(["sbatch", "--parsable", str(script)])
+    return out.strip().split(";")[0]
+
+
+def describe(task: Task) -> str:
+    cfg = task.cfg
+    return (f"{cfg.model.name} {cfg.method.name} nodes={cfg.cluster.nodes} "
+            f"workers={num_workers(cfg)} servers={num_servers(cfg)} "
+            f"repeats={cfg.run.repeats}")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        overrides, own = split_args(argv)
+        dry_run = own.get("dry_run", "false").lower() == "true"
+        tasks = load_tasks(overrides)
+        todo, done = pending(tasks)
+        arrays = group(todo)
+        if arrays and not dry_run:
+            check_cluster(todo[0].slurm, list(arrays))
+            if shutil.which("sbatch") is None:
+                _slurm_command(["sbatch"])
+    except config.ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{len(tasks)} configurations: {len(done)} already complete (skipped), "
+          f"{len(todo)} to run in {len(arrays)} job array(s)")
+    if not arrays:
+        return 0
+    return _dry_run(arrays) if dry_run else _submit(arrays, overrides)
+
+
+def _dry_run(arrays: dict[Shape, list[Task]]) -> int:
+    root = Path(next(iter(arrays.values()))[0].slurm.jobs_dir) / "DRY-RUN"
+    for shape, tasks in arrays.items():
+        name = f"DRY-RUN-n{shape.nodes}x{shape.tasks_per_node}"
+        print(f"\n=== array {name}: {len(tasks)} tasks of {shape.nodes} node(s) x "
+              f"{shape.tasks_per_node} ranks ===")
+        print(script_text(tasks, shape, jobs_dir=root / name, name=name))
+        for i, task in enumerate(tasks):
+            print(f"  [{i}] {describe(task)}  ranks on nodes {task.layout}")
+            print(f"       {shlex.join(task.overrides)}")
+    return 0
+
+
+def _submit(arrays: dict[Shape, list[Task]], overrides: list[str]) -> int:
+    slurm = next(iter(arrays.values()))[0].slurm
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    root = Path(slurm.jobs_dir).resolve()
+    for shape, tasks in arrays.items():
+        script = write_array(tasks, shape, root=root, name=stamp)
+        job_id = sbatch(script)
+        print(f"submitted array {job_id}: {len(tasks)} tasks of {shape.nodes} node(s) x "
+              f"{shape.tasks_per_node} ranks; script {script}, logs {script.parent}/logs/")
+    return 0
+
+
+# --- The Hydra route: python -m harness.run -m experiment=... hydra/launcher=slurm ----------
+
+try:  # Hydra's basic sweeper, plus the extra products of `hydra.sweeper.extra`
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+except ImportError:  # pragma: no cover - Hydra always ships it
+    BasicSweeper = object  # type: ignore[assignment,misc]
+
+
+class UnionSweeper(BasicSweeper):
+    """Hydra sweeper of conf/hydra/sweeper/union.yaml: the basic product of `params`,
+    then one more product per `extra` entry (keys on the command line win)."""
+
+    def __init__(self, max_batch_size: int | None = None, params: dict | None = None,
+                 extra: list | None = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.extra = [dict(e) for e in (extra or [])]
+
+    def sweep(self, arguments: list[str]):
+        returns = super().sweep(arguments)
+        given = {a.split("=", 1)[0].lstrip("+~") for a in arguments}
+        for entry in self.extra:
+            self.params = {k: str(v) for k, v in entry.items() if k not in given}
+            returns += super().sweep(arguments)
+        return returns
+
+
+def hydra_main(argv: list[str]) -> int:
+    """Run `argv` (with hydra/launcher=...) through Hydra's multirun: each job, wherever
+    the launcher puts it, validates its config and runs `harness.run.main` on it."""
+    import hydra
+
+    from harness import run
+
+    @hydra.main(config_path=str(config.CONF_DIR), config_name="bench", version_base=None)
+    def task(cfg: DictConfig) -> int:
+        from hydra.core.hydra_config import HydraConfig
+
+        code = run.main(list(HydraConfig.get().overrides.task))
+        if code:
+            raise RuntimeError(f"job {HydraConfig.get().job.num} exited with code {code}")
+        return code
+
+    sys.argv = [sys.argv[0], *(["-m"] if "-m" not in argv else []), *argv]
+    task()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""Emulated clusters: real namespaces, veth pairs, a bridge and tbf-limited links."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from harness import netem, results
+from tests.conftest import TINY, run_module
+
+pytestmark = [
+    pytest.mark.network,
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+    pytest.mark.skipif(bool(netem.missing_tools()), reason="ip/tc (iproute2) are missing"),
+]
+
+# Receives for a while on one host, sends as fast as possible from the other.
+SINK = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.create_server(("0.0.0.0", 5999)); c, _ = s.accept(); n = 0
+    while b := c.recv(1 << 20):
+        if n == 0: t = time.perf_counter()
+        n += len(b)
+    print(n * 8 / (time.perf_counter() - t) / 1e6)
+""")
+SOURCE = textwrap.dedent("""
+    import socket, sys, time
+    for _ in range(50):
+        try: c = socket.create_connection((sys.argv[1], 5999)); break
+        except OSError: time.sleep(0.1)
+    end = time.perf_counter() + 3
+    while time.perf_counter() < end: c.sendall(b"x" * (1 << 16))
+""")
+
+
+@pytest.mark.parametrize("rate_mbit", [50, 200])
+def test_link_bandwidth_matches_the_configured_rate(rate_mbit: int) -> None:
+    with netem.EmulatedNetwork(hosts=2, rate_mbit=rate_mbit) as net:
+        sink = subprocess.Popen(net.command(1, [sys.executable, "-c", SINK]),
+                                stdout=subprocess.PIPE, text=True)
+        subprocess.run(net.command(0, [sys.executable, "-c", SOURCE, net.address(1)]),
+                       check=True, timeout=60)
+        measured = float(sink.communicate(timeout=60)[0])
+    assert abs(measured - rate_mbit) / rate_mbit < 0.15, f"{measured:.1f} Mbit/s"
+    assert netem.leftovers(net.token) == []
+
+
+def test_network_is_removed_after_an_error() -> None:
+    with pytest.raises(RuntimeError), netem.EmulatedNetwork(hosts=3, rate_mbit=100) as net:
+        assert len(netem.leftovers(net.token)) == 1 + 3 + 3  # bridge, namespaces, veths
+        raise RuntimeError("boom")
+    assert netem.leftovers(net.token) == []
+
+
+@pytest.mark.parametrize("method", ["bsp_a2a", "ddp"])
+def test_two_node_run_on_a_slow_link(method: str, results_dir) -> None:
+    before = netem.leftovers()
+    out = run_module("harness.run", *TINY, "cluster=emulated", "network=eth100m",
+                     "model=bert_tiny", f"method={method}", f"results_dir={results_dir}")
+    assert out.returncode == 0, out.stderr
+    row = results.load(results_dir).iloc[0]
+    assert (row.status, row.network, row.nodes, row.world_size) == ("ok", "eth100m", 2, 2)
+    # 17.7 MB of gradients cross a 100 Mb/s link at least once per iteration
+    assert row.timed_s > 2 * 17.7e6 * 8 / 100e6
+    assert netem.leftovers() == before
+
+
+def test_killed_worker_leaves_no_namespace_behind(results_dir) -> None:
+    before = netem.leftovers()
+    started = time.monotonic()
+    out = run_module("harness.run", *TINY, "cluster=emulated", "network=eth100m",
+                     "model=bert_tiny", "run.fault.rank=1", "run.fault.at_iter=1",
+                     "run.fault.kind=exit", f"results_dir={results_dir}")
+    assert out.returncode != 0 and time.monotonic() - started < 120
+    assert results.load(results_dir).status.tolist() == ["failed"]
+    assert netem.leftovers() == before
+
+
+def test_rate_limited_network_needs_an_emulated_cluster(capsys, results_dir) -> None:
+    from harness import run
+
+    assert run.main([*TINY, f"results_dir={results_dir}", "network=eth100m"]) == 2
+    assert "cluster=emulated" in capsys.readouterr().err

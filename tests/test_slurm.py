@@ -1,0 +1,119 @@
+"""Sweeps as Slurm job arrays, against a real single-host Slurm started by the tests."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness import results
+from tests import slurm_cluster
+from tests.conftest import TINY, run_module
+
+ARRAY_TIMEOUT_S = 420
+SMOKE = ["experiment=smoke", *TINY]
+
+
+def _submit(cluster: slurm_cluster.SlurmCluster | None, *args: str, env: dict | None = None):
+    extra = {"SLURM_CONF": cluster.env["SLURM_CONF"]} if cluster else {}
+    return run_module("harness.submit", *args, env={**extra, **(env or {})}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> Iterator[slurm_cluster.SlurmCluster]:
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd and installing slurm-wlm needs root")
+    slurm_cluster.install()
+    cluster = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()  # the fixture finalizer runs even when a test failed
+
+
+def _wait_for_queue(cluster: slurm_cluster.SlurmCluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = cluster.run("squeue", "--noheader", "--format=%i %T")
+        if out.returncode == 0 and not out.stdout.strip():
+            return
+        time.sleep(2)
+    raise AssertionError(f"jobs still queued after {timeout}s: "
+                         f"{cluster.run('squeue').stdout}")
+
+
+@pytest.mark.slurm
+def test_smoke_sweep_runs_as_arrays_and_resubmitting_reruns_nothing(slurm, tmp_path) -> None:
+    res, jobs = tmp_path / "results", tmp_path / "jobs"
+    args = [*SMOKE, f"results_dir={res}", f"cluster.slurm.jobs_dir={jobs}",
+            f"cluster.slurm.partition={slurm.partition}"]
+    out = _submit(slurm, *args)
+    assert out.returncode == 0, out.stderr
+    assert "4 to run in 2 job array(s)" in out.stdout  # 1 and 2 workers: two shapes
+    assert out.stdout.count("submitted array") == 2
+    _wait_for_queue(slurm, ARRAY_TIMEOUT_S)
+    logs = "\n".join(p.read_text() for p in jobs.rglob("logs/*.out"))
+    frame = results.load(res)
+    assert len(frame) == 4, logs
+    assert (frame.status == "ok").all(), frame.error.tolist()
+    assert sorted(zip(frame.method, frame.world_size)) == [
+        ("bsp_a2a", 1), ("bsp_a2a", 2), ("ddp", 1), ("ddp", 2)]
+    assert frame.slurm_job_id.notna().all() and frame.slurm_job_id.nunique() == 2
+    assert sorted(frame.slurm_array_task_id) == ["0", "0", "1", "1"]
+    shards = sorted(res.glob("*.parquet"))
+
+    again = _submit(slurm, *args)
+    assert again.returncode == 0, again.stderr
+    assert "4 already complete (skipped), 0 to run" in again.stdout
+    assert "submitted" not in again.stdout
+    assert slurm.run("squeue", "--noheader").stdout.strip() == ""
+    assert sorted(res.glob("*.parquet")) == shards
+
+    # a configuration whose shard is gone (or failed) runs again
+    shards[0].unlink()
+    dry = _submit(slurm, *args, "dry_run=true")
+    assert dry.returncode == 0, dry.stderr
+    assert "3 already complete (skipped), 1 to run in 1 job array(s)" in dry.stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("override, words", [
+    ("cluster.slurm.partition=nope", ["cluster.slurm.partition='nope' is unknown",
+                                      "choose one of"]),
+    ("cluster.nodes=3", ["needs 3 nodes", "has 1"]),
+])
+def test_bad_cluster_request_is_one_line_and_exit_2(slurm, tmp_path, override: str,
+                                                   words: list[str]) -> None:
+    out = _submit(slurm, *SMOKE, "method=ddp", "cluster.workers_per_node=1",
+                  f"results_dir={tmp_path}", f"cluster.slurm.jobs_dir={tmp_path}", override)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    for word in words:
+        assert word in out.stderr
+    assert "submitted" not in out.stdout and not list(Path(tmp_path).rglob("*.sbatch"))
+
+
+def test_no_sbatch_on_path_is_one_line_and_exit_2(tmp_path) -> None:
+    path = os.pathsep.join(str(Path(p)) for p in os.environ["PATH"].split(os.pathsep)
+                           if not (Path(p) / "sbatch").exists() and not
+                           (Path(p) / "sinfo").exists())
+    out = _submit(None, *SMOKE, "method=ddp", "cluster.workers_per_node=1",
+                  f"results_dir={tmp_path}", env={"PATH": path})
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "not on PATH" in out.stderr and "dry_run=true" in out.stderr
+
+
+def test_paper_dry_run_groups_the_study_by_resource_shape(tmp_path) -> None:
+    out = _submit(None, "experiment=paper", "dry_run=true", f"results_dir={tmp_path}",
+                  env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    # 3 models x 7 methods x 4 sizes + 3 one-GPU baselines
+    assert "87 configurations: 0 already complete (skipped), 87 to run" in out.stdout
+    # shapes: baselines 1x1; a2a 1x4 ... 8x4; PS with one co-located server per node: Nx5
+    for shape, count in [("n1x1", 3), ("n1x4", 12), ("n8x4", 12), ("n1x5", 9), ("n8x5", 9)]:
+        assert f"array DRY-RUN-{shape}: {count} tasks" in out.stdout, shape
+    assert "#SBATCH --nodes=8" in out.stdout and "srun" in out.stdout
+    assert "bert_large bytescheduler_ps nodes=8 workers=32 servers=8 repeats=5" in out.stdout
+    assert not list(tmp_path.glob("*"))
