@@ -227,7 +227,7 @@ def _check_model(model: DictConfig) -> None:
     if model.family not in models.FAMILIES:
         raise ConfigError(f"model.family={model.family!r} is unknown; "
                           f"choose one of: {', '.join(sorted(models.FAMILIES))}")
-    accepted = inspect.signature(models.FAMILIES[model.family]).parameters
+    accepted = inspect.signature(models.family_class(model.family)).parameters
     for key in model.build:
         if key not in accepted:
             raise ConfigError(f"model.build.{key} is not an argument of the {model.family} "

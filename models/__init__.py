@@ -6,6 +6,7 @@ families to classes and measures what the results record about a model.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,19 +14,25 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from models.nlp import BertModel
 from models.synthetic import Batch
-from models.vision import VisionModel
 
-FAMILIES: dict[str, type[nn.Module]] = {"vision": VisionModel, "bert": BertModel}
+# family -> "module:class", imported on first use (transformers alone takes seconds)
+FAMILIES: dict[str, str] = {"vision": "models.vision:VisionModel", "bert": "models.nlp:BertModel"}
+
+
+def family_class(family: str) -> type[nn.Module]:
+    """The model class of `family`."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is unknown; choose one of: {sorted(FAMILIES)}")
+    module, name = FAMILIES[family].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build(family: str, build_args: Mapping[str, Any], *, seed: int) -> nn.Module:
     """Build a model of `family` with random weights drawn from `seed`."""
-    if family not in FAMILIES:
-        raise ValueError(f"model family {family!r} is unknown; choose one of: {sorted(FAMILIES)}")
+    cls = family_class(family)
     torch.manual_seed(seed)
-    return FAMILIES[family](**build_args)
+    return cls(**build_args)
 
 
 def move_batch(batch: Batch, device: torch.device) -> Batch:
@@ -39,7 +46,7 @@ def describe(family: str, build_args: Mapping[str, Any]) -> dict[str, float]:
     sample per parameter, counted on the meta device (no memory, no compute).
     """
     with torch.device("meta"):
-        model = FAMILIES[family](**build_args)
+        model = family_class(family)(**build_args)
         batch = model.make_batch(2, None)
     params = [p for p in model.parameters() if p.requires_grad]
     counter = FlopCounterMode(display=False)
