@@ -96,6 +96,13 @@ class VerifyConf:
 
 
 @dataclass
+class MicrobenchConf:
+    min_bytes: int = 1024
+    max_bytes: int = 16 * 1024 * 1024
+    repeats: int = 5
+
+
+@dataclass
 class BenchConf:
     model: ModelConf = field(default_factory=ModelConf)
     method: MethodConf = field(default_factory=MethodConf)
@@ -103,6 +110,7 @@ class BenchConf:
     network: dict[str, Any] = field(default_factory=lambda: {"name": "loopback"})
     run: RunConf = field(default_factory=RunConf)
     verify: VerifyConf = field(default_factory=VerifyConf)
+    microbench: MicrobenchConf = field(default_factory=MicrobenchConf)
     results_dir: str = "results"
 
 

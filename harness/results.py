@@ -57,6 +57,9 @@ SCHEMA = pa.schema([
 assert SCHEMA.names == COLUMNS
 
 
+OTHER_DATA = "microbench"  # a subfolder of results_dir with another schema (harness.microbench)
+
+
 def shard_path(results_dir: str | os.PathLike, run_id: str, repeat: int) -> Path:
     """Where the shard of one repeat of one run lives."""
     return Path(results_dir) / f"{run_id}_r{repeat}.parquet"
@@ -87,12 +90,13 @@ def write_shard(path: str | os.PathLike, rows: Sequence[dict]) -> bool:
 
 
 def shard_files(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
-    """Expand directories (recursively) and files into a sorted list of shard files."""
+    """Expand directories (recursively, but not into OTHER_DATA) and files into shard files."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[Path] = []
     for p in map(Path, paths):
-        files.extend(sorted(p.rglob("*.parquet")) if p.is_dir() else [p])
+        found = sorted(p.rglob("*.parquet")) if p.is_dir() else [p]
+        files.extend(f for f in found if OTHER_DATA not in f.relative_to(p).parts[:-1])
     return files
 
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import pandas as pd
 import pytest
 
 from harness import netem, results
@@ -86,3 +87,18 @@ def test_rate_limited_network_needs_an_emulated_cluster(capsys, results_dir) -> 
 
     assert run.main([*TINY, f"results_dir={results_dir}", "network=eth100m"]) == 2
     assert "cluster=emulated" in capsys.readouterr().err
+
+
+def test_microbench_sees_the_link_rate(results_dir) -> None:
+    out = run_module("harness.microbench", "cluster=emulated", "network=eth100m",
+                     "microbench.min_bytes=65536", "microbench.max_bytes=4194304",
+                     "microbench.repeats=3", f"results_dir={results_dir}")
+    assert out.returncode == 0, out.stderr
+    frame = pd.read_parquet(next((results_dir / "microbench").glob("*.parquet")))
+    p2p = frame[frame.kind == "p2p"]
+    gbit = 8 / p2p.beta_s_per_byte.iloc[0] / 1e9
+    assert abs(gbit - 0.1) / 0.1 < 0.25, f"fitted p2p bandwidth {gbit:.3f} Gbit/s"
+    # a ring all-reduce of 2 nodes moves each byte over the link once each way
+    allreduce = frame[frame.kind == "allreduce"]
+    assert allreduce.beta_s_per_byte.iloc[0] > 0.5 * p2p.beta_s_per_byte.iloc[0]
+    assert results.load(results_dir).empty, "microbench data is not benchmark shards"

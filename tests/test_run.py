@@ -122,3 +122,13 @@ def test_torchrun_size_mismatch_is_bad_input(results_dir) -> None:
                      "-m", "harness.run", *TINY, f"results_dir={results_dir}", timeout=300)
     assert out.returncode != 0 and "make them agree" in out.stderr
     assert not results_dir.exists()
+
+
+def test_microbench_fits_alpha_and_beta_locally(results_dir) -> None:
+    out = run_module("harness.microbench", "cluster.workers_per_node=2",
+                     "microbench.max_bytes=65536", "microbench.repeats=2",
+                     f"results_dir={results_dir}")
+    assert out.returncode == 0, out.stderr
+    assert "allreduce: alpha=" in out.stdout and "p2p: alpha=" in out.stdout
+    files = list((results_dir / "microbench").glob("*.parquet"))
+    assert len(files) == 1
