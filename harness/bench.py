@@ -58,7 +58,7 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
     """A fresh model (weights from `seed`) wrapped by the configured method, and its optimizer."""
     model = models.build(cfg.model.family, cfg.model.build, seed=seed).to(ctx.device)
     method = methods.build(OmegaConf.to_container(cfg.method, resolve=True),
-                           group=ctx.worker_group, device=ctx.device)
+                           group=ctx.worker_group, device=ctx.device, timeout_s=cfg.run.timeout_s)
     wrapped = method.wrap(model)
     return wrapped, method, make_optimizer(model, cfg.model.optimizer)
 
@@ -90,9 +90,11 @@ def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
 
 
 def timed_window(step: Callable[[], list[float]], *, iters: int, method: methods.Method,
-                 device: torch.device) -> tuple[float, list[float], list[list[float]]]:
-    """Barrier, `iters` steps, drain; returns (window_s, iteration times, phase times)."""
-    dist.barrier()
+                 device: torch.device, group: dist.ProcessGroup | None = None
+                 ) -> tuple[float, list[float], list[list[float]]]:
+    """Barrier of the workers' `group`, `iters` steps, drain; returns (window_s, iteration
+    times, phase times)."""
+    dist.barrier(group=group)
     device_sync(device)
     start = last = time.perf_counter()
     iter_times, phases = [], []
@@ -110,6 +112,9 @@ def timed_window(step: Callable[[], list[float]], *, iters: int, method: methods
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank for `python -m harness.run`."""
+    if not ctx.is_worker:
+        serve_until_done(cfg, ctx)
+        return
     info = models.describe(cfg.model.family, cfg.model.build) if ctx.rank == 0 else {}
     hosts = _gather(socket.gethostname(), ctx)
     iteration = itertools.count()
@@ -128,7 +133,8 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
             step()
         method.drain()
         window, iter_times, phases = timed_window(step, iters=cfg.run.timed_iters,
-                                                  method=method, device=ctx.device)
+                                                  method=method, device=ctx.device,
+                                                  group=ctx.worker_group)
         per_rank = _gather((window, iter_times, phases), ctx)
         method.close()
         if ctx.rank == 0:
@@ -138,6 +144,17 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
             results.write_shard(path, [row])
             print(f"[{ctx.run_id}] repeat {repeat + 1}/{cfg.run.repeats}: "
                   f"{row['throughput']:.1f} samples/s -> {path}", flush=True)
+    if ctx.num_servers:
+        methods.stop_servers(num_workers=ctx.num_workers)
+
+
+def serve_until_done(cfg: DictConfig, ctx: Context) -> None:
+    """A parameter-server rank: serve until every worker is done.
+
+    run.fault on a server rank counts the aggregation rounds of its first key.
+    """
+    methods.serve(num_workers=ctx.num_workers,
+                  on_round=lambda i: inject_fault(cfg.run.fault, rank=ctx.rank, iteration=i))
 
 
 def model_of(model: nn.Module) -> nn.Module:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+import methods
 import models
 from harness import config
-from harness.bench import batch_generator, build, make_optimizer, model_of
+from harness.bench import batch_generator, build, make_optimizer, model_of, serve_until_done
 from harness.launch import Context, check_launcher, launch
 
 
@@ -55,6 +56,9 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank for `python -m harness.verify`."""
+    if not ctx.is_worker:
+        serve_until_done(cfg, ctx)
+        return
     model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
     for step in range(cfg.verify.steps):
         batch = models.move_batch(local_batch(model, cfg, ctx.rank, step), ctx.device)
@@ -70,6 +74,8 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     rank_diff = (mine - theirs).abs().max()
     dist.all_reduce(rank_diff, op=dist.ReduceOp.MAX, group=ctx.worker_group)
     method.close()
+    if ctx.num_servers:
+        methods.stop_servers(num_workers=ctx.num_workers)
     if ctx.rank != 0:
         return
     ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device))

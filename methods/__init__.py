@@ -2,10 +2,12 @@
 
 The names users type are the file stems of conf/method/; each file composes the
 pieces registered here, so a new combination is a new YAML file, not new code.
+Parameter servers run `serve`; workers call `stop_servers` when they are done.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,12 +15,19 @@ import torch
 import torch.distributed as dist
 
 from methods.allreduce import AllreduceTransport
-from methods.base import Engine, Method
+from methods.base import Method
 from methods.ddp import DDPMethod
+from methods.engine import Engine
 from methods.plan import PLANNERS
+from methods.ps import PSTransport, stop_servers
 from methods.sched import SCHEDULERS
+from methods.server import serve
 
-TRANSPORTS = {"allreduce": AllreduceTransport, "ddp": None}
+TRANSPORTS = {"allreduce": AllreduceTransport, "ps": PSTransport, "ddp": None}
+INJECTED = {"group", "timeout_s"}  # passed by build(), not by the YAML
+BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
+
+__all__ = ["Method", "Engine", "build", "check", "serve", "stop_servers", "uses_servers"]
 
 
 def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -26,33 +35,81 @@ def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return args.pop("name"), args
 
 
+def uses_servers(method: Mapping[str, Any]) -> bool:
+    """Whether the method needs parameter-server processes."""
+    return method["transport"]["name"] == "ps"
+
+
 def check(method: Mapping[str, Any]) -> None:
-    """Raise ValueError naming the bad piece if `method` does not compose."""
+    """Raise ValueError naming the bad piece or value if `method` does not compose."""
+    if method["transport"]["name"] == "ddp":
+        return
     for kind, registry in (("transport", TRANSPORTS), ("planner", PLANNERS),
                            ("scheduler", SCHEDULERS)):
-        name, _ = _split(method[kind])
-        if method["transport"]["name"] == "ddp":
-            continue
-        if name not in registry:
+        name, args = _split(method[kind])
+        if name not in registry or registry[name] is None:
             raise ValueError(
                 f"method {method['name']!r}: {kind} {name!r} is unknown; "
-                f"choose one of: {', '.join(sorted(registry))}"
+                f"choose one of: {', '.join(sorted(k for k, v in registry.items() if v))}"
             )
+        accepted = set(inspect.signature(registry[name]).parameters) - INJECTED
+        for key in args:
+            if key not in accepted:
+                raise ValueError(f"method {method['name']!r}: method.{kind}.{key} is not an "
+                                 f"argument of {kind} {name!r}; it takes: "
+                                 f"{', '.join(sorted(accepted)) or 'nothing'}")
+    _check_sizes(method)
 
 
-def build(
-    method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device: torch.device
-) -> Method:
-    """Instantiate the method described by a conf/method/ entry on the workers' group."""
+def _positive(method: Mapping[str, Any], kind: str, key: str) -> int | None:
+    value = method[kind].get(key)
+    if value is not None and value <= 0:
+        raise ValueError(f"method {method['name']!r}: method.{kind}.{key}={value} is invalid; "
+                         "it must be > 0")
+    return value
+
+
+def _elements(method: Mapping[str, Any], kind: str, stem: str) -> int | None:
+    """A size given as <stem>_elements or <stem>_bytes, in (fp32) elements; None if absent."""
+    elements = _positive(method, kind, f"{stem}_elements")
+    nbytes = _positive(method, kind, f"{stem}_bytes")
+    if elements is not None and nbytes is not None:
+        raise ValueError(f"method {method['name']!r}: give method.{kind}.{stem}_elements or "
+                         f"method.{kind}.{stem}_bytes, not both")
+    return elements if nbytes is None else max(1, nbytes // BYTES_PER_ELEMENT)
+
+
+def _check_sizes(method: Mapping[str, Any]) -> None:
+    """Partitions and credits must be positive, and a credit must hold one partition."""
+    _positive(method, "transport", "partition_bytes")
+    partition = _elements(method, "planner", "partition")
+    if method["planner"]["name"] == "partition" and partition is None:
+        raise ValueError(f"method {method['name']!r}: planner 'partition' needs "
+                         "method.planner.partition_elements or method.planner.partition_bytes")
+    credit = _elements(method, "scheduler", "credit")
+    if partition is not None and credit is not None and credit < partition:
+        raise ValueError(f"method {method['name']!r}: the scheduler's credit ({credit} elements) "
+                         f"is smaller than one partition ({partition} elements); raise "
+                         "method.scheduler.credit_* or lower method.planner.partition_*")
+
+
+def build(method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device: torch.device,
+          timeout_s: float = 300.0) -> Method:
+    """Instantiate the method described by a conf/method/ entry on the workers' group.
+
+    `timeout_s` bounds every wait of the method that torch.distributed does not.
+    """
     transport, t_args = _split(method["transport"])
     if transport == "ddp":
         _, p_args = _split(method["planner"])
-        return DDPMethod(device_ids=[device.index] if device.type == "cuda" else None, **p_args)
+        return DDPMethod(device_ids=[device.index] if device.type == "cuda" else None,
+                         process_group=group, **p_args)
     planner, p_args = _split(method["planner"])
     scheduler, s_args = _split(method["scheduler"])
     return Engine(
         name=method["name"],
-        transport=TRANSPORTS[transport](group=group, **t_args),
+        transport=TRANSPORTS[transport](group=group, timeout_s=timeout_s, **t_args),
         planner=PLANNERS[planner](**p_args),
-        scheduler=SCHEDULERS[scheduler](**s_args),
+        scheduler=SCHEDULERS[scheduler](timeout_s=timeout_s, **s_args),
+        timeout_s=timeout_s,
     )

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+from methods.base import GradBuffer
+from methods.plan import Unit
 
 
 class _Pending:
@@ -17,14 +22,43 @@ class _Pending:
         self.chunk.div_(self.size)
 
 
-class AllreduceTransport:
-    """Sums a chunk over the workers' group asynchronously; `wait` leaves the average."""
+class _Done:
+    """A single worker's average is its own gradient: nothing to move."""
 
-    def __init__(self, *, group: dist.ProcessGroup | None = None) -> None:
+    __slots__ = ()
+
+    def wait(self) -> None:
+        pass
+
+
+class AllreduceTransport:
+    """Sums a chunk over the workers' group asynchronously; `wait` leaves the average.
+
+    Collectives are matched by issue order, so `ordered` tells the scheduler to
+    issue them in one order on every rank.
+    """
+
+    ordered = True
+
+    def __init__(self, *, group: dist.ProcessGroup | None = None,
+                 timeout_s: float | None = None) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.identity = self.size == 1  # one worker's gradient is already the average
 
-    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending:
+    def open(self, buffer: GradBuffer, units: list[Unit]) -> None:
+        """Collectives need no set-up per plan."""
+
+    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending | _Done:
         # `key` names the chunk for transports that match messages by key (PS);
         # collectives are matched by issue order, which the scheduler keeps equal.
+        if self.size == 1:
+            return _Done()
         return _Pending(dist.all_reduce(chunk, group=self.group, async_op=True), chunk, self.size)
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": "allreduce", "workers": self.size}

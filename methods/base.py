@@ -1,4 +1,4 @@
-"""The method contract, and the engine that composes transport x planner x scheduler.
+"""The method contract, the flat gradient buffer, and the pieces' interfaces.
 
 The training loop drives every method the same way:
 
@@ -27,9 +27,45 @@ class Handle(Protocol):
 
 
 class Transport(Protocol):
-    """Moves a gradient chunk and leaves it averaged over the workers, in place."""
+    """Moves a gradient chunk and leaves it averaged over the workers, in place.
+
+    `ordered` transports (collectives) match messages by issue order, so every
+    rank must start the same chunks in the same order; unordered ones (PS)
+    match them by key. `open` learns the plan's units before the first `start`
+    of them (`key` is the unit's index); `close` ends that plan.
+    """
+
+    ordered: bool
+    identity: bool  # nothing to move (one worker on a collective): the method steps aside
+    rank: int
+    size: int
+
+    def open(self, buffer: GradBuffer, units: list) -> None: ...
 
     def start(self, chunk: torch.Tensor, *, key: int) -> Handle: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class Scheduler(Protocol):
+    """Decides when each unit is issued and awaited, and when the update is applied."""
+
+    def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list,
+               transport: Transport) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 class Method(ABC):
@@ -81,42 +117,11 @@ class GradBuffer:
     def slice(self, start: int, end: int) -> torch.Tensor:
         return self.flat[start:end]
 
+    def param_slice(self, i: int) -> torch.Tensor:
+        """The gradient of parameter `i` (backward order), flat."""
+        return self.flat[self.offsets[i] : self.offsets[i] + self.sizes[i]]
+
 
 def backward_order(model: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters, output side first: the order their gradients appear."""
     return [p for p in reversed(list(model.parameters())) if p.requires_grad]
-
-
-class Engine(Method):
-    """A method built from a transport, a planner and a scheduler (DESIGN.md, Table I)."""
-
-    def __init__(self, *, name: str, transport: Transport, planner: Any, scheduler: Any) -> None:
-        self.name = name
-        self.transport = transport
-        self.planner = planner
-        self.scheduler = scheduler
-        self.buffer: GradBuffer | None = None
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.buffer = GradBuffer(backward_order(model))
-        units = self.planner.plan(self.buffer.sizes)
-        self.scheduler.attach(model, buffer=self.buffer, units=units, transport=self.transport)
-        return model
-
-    def synchronize(self) -> None:
-        self.scheduler.synchronize()
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scheduler.step(optimizer)
-
-    def zero_grad(self) -> None:
-        self.buffer.flat.zero_()
-
-    def drain(self) -> None:
-        self.scheduler.drain()
-
-    def close(self) -> None:
-        self.scheduler.close()
-
-    def plan(self) -> dict[str, Any]:
-        return {"method": self.name, **self.planner.describe(), **self.scheduler.describe()}

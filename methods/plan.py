@@ -2,6 +2,9 @@
 
 A unit is a contiguous (start, end) element range of the flat gradient buffer,
 together with the parameter indices whose gradients it needs before it can go.
+Every planner has `plan(sizes, *, element_size) -> list[Unit]` and `describe()`;
+a planner that needs measurements of the running job (MG-WFBP) also has
+`profile_iters` and `plan_measured(...)`, and the engine feeds it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from typing import Any
+
+from methods.costmodel import Cost
+
+SMALL_TENSOR_ELEMENTS = 8192  # MG-WFBP always merges groups smaller than this
 
 
 @dataclass(frozen=True)
@@ -32,10 +39,20 @@ def groups_to_units(sizes: list[int], groups: list[list[int]]) -> list[Unit]:
     return [Unit(ranges[g[0]][0], ranges[g[-1]][1], tuple(g)) for g in groups]
 
 
+def size_in_elements(*, elements: int | None, nbytes: int | None, element_size: int,
+                     what: str) -> int:
+    """A size given either in elements or in bytes, as elements (at least 1)."""
+    if (elements is None) == (nbytes is None):
+        raise ValueError(f"{what}: give exactly one of the element and the byte form")
+    if elements is not None:
+        return elements
+    return max(1, nbytes // element_size)
+
+
 class Bucket:
     """All gradients in one unit (BSP, the study's 512 MB fusion buffer)."""
 
-    def plan(self, sizes: list[int]) -> list[Unit]:
+    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
         return groups_to_units(sizes, [list(range(len(sizes)))])
 
     def describe(self) -> dict[str, Any]:
@@ -45,11 +62,125 @@ class Bucket:
 class PerTensor:
     """One unit per gradient tensor (WFBP without fusion)."""
 
-    def plan(self, sizes: list[int]) -> list[Unit]:
+    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
         return groups_to_units(sizes, [[i] for i in range(len(sizes))])
 
     def describe(self) -> dict[str, Any]:
         return {"planner": "per_tensor"}
 
 
-PLANNERS = {"bucket": Bucket, "per_tensor": PerTensor}
+class Partition:
+    """Every tensor cut into pieces of at most `partition` elements (ByteScheduler).
+
+    The size is given in elements (`partition_elements`, the A2A default
+    4,000,000) or in bytes (`partition_bytes`, BytePS's 4,096,000).
+    """
+
+    def __init__(self, *, partition_elements: int | None = None,
+                 partition_bytes: int | None = None) -> None:
+        for name, value in (("partition_elements", partition_elements),
+                            ("partition_bytes", partition_bytes)):
+            if value is not None and value <= 0:
+                raise ValueError(f"planner {name}={value} is invalid; it must be > 0")
+        self.elements, self.nbytes = partition_elements, partition_bytes
+        self.size: int | None = None
+
+    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
+        self.size = size_in_elements(elements=self.elements, nbytes=self.nbytes,
+                                     element_size=element_size, what="planner partition")
+        units = []
+        for i, (start, end) in enumerate(_tensor_ranges(sizes)):
+            units += [Unit(s, min(s + self.size, end), (i,)) for s in range(start, end, self.size)]
+        return units
+
+    def describe(self) -> dict[str, Any]:
+        return {"planner": "partition", "partition_elements": self.size}
+
+
+def mgwfbp_groups(sizes: list[int], backward_s: list[float], cost: Cost, *,
+                  element_size: int = 4) -> list[list[int]]:
+    """MG-WFBP's merge of consecutive tensors (Shi et al., INFOCOM 2019, Algorithm 1).
+
+    `sizes` and `backward_s` (each tensor's backward time) are in backward
+    order, output side first. Walking from the output to the input, tensor l is
+    merged into the next one, l-1, when the all-reduce before it would still run
+    when l-1's gradient is ready, when waiting for l-1 costs less than the
+    start-up alpha it saves, or when the group so far is under 8192 elements.
+    Returns groups of backward indices, in backward order.
+    """
+    n = len(sizes)
+    p, tb = sizes[::-1], backward_s[::-1]  # index 0 = input side, as in the paper
+    ready = [0.0] * n  # when each gradient is ready, from the start of backward
+    elapsed = 0.0
+    for layer in range(n - 1, -1, -1):
+        elapsed += tb[layer]
+        ready[layer] = elapsed
+    tc = [cost.seconds(k * element_size) if k else 0.0 for k in p]
+    groups, group = [], []
+    for layer in range(n - 1, 0, -1):
+        group.append(layer)
+        start = _comm_starts(ready, tc)[layer]
+        merge = ready[layer - 1] < start + tc[layer] and (
+            start > ready[layer - 1] or ready[layer - 1] - start < cost.alpha)
+        if merge or p[layer] < SMALL_TENSOR_ELEMENTS:
+            p[layer - 1] += p[layer]
+            p[layer], tc[layer] = 0, 0.0
+            tc[layer - 1] = cost.seconds(p[layer - 1] * element_size)
+        else:
+            groups.append(group)
+            group = []
+    groups.append([*group, 0])
+    return [[n - 1 - layer for layer in g] for g in groups]
+
+
+def _comm_starts(ready: list[float], tc: list[float]) -> list[float]:
+    """When each tensor's all-reduce starts: its gradient is ready and the previous one is done."""
+    n = len(ready)
+    start = [0.0] * n
+    start[n - 1] = ready[n - 1]
+    for layer in range(n - 2, -1, -1):
+        start[layer] = max(start[layer + 1] + tc[layer + 1], ready[layer])
+    return start
+
+
+class MergedGroups:
+    """MG-WFBP: consecutive tensors merged from measured backward times and all-reduce cost.
+
+    The engine runs the first `profile_iters` iterations with one bucket after
+    backward while it records when each gradient is ready, fits the all-reduce
+    cost on the workers' group, agrees on both across ranks, and then asks
+    `plan_measured` for the groups.
+    """
+
+    def __init__(self, *, profile_iters: int = 5, fit_sizes: list[int] | None = None,
+                 fit_repeats: int = 10) -> None:
+        if profile_iters < 1:
+            raise ValueError(f"planner profile_iters={profile_iters} is invalid; it must be >= 1")
+        self.profile_iters = profile_iters
+        self.fit_sizes = fit_sizes
+        self.fit_repeats = fit_repeats
+        self.groups: list[list[int]] | None = None
+        self.cost: Cost | None = None
+        self.backward_s: list[float] | None = None
+
+    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
+        """The plan while profiling: one bucket."""
+        return Bucket().plan(sizes)
+
+    def plan_measured(self, sizes: list[int], *, backward_s: list[float], cost: Cost,
+                      element_size: int = 4) -> list[Unit]:
+        self.backward_s, self.cost = backward_s, cost
+        self.groups = mgwfbp_groups(sizes, backward_s, cost, element_size=element_size)
+        return groups_to_units(sizes, self.groups)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "planner": "mgwfbp", "profile_iters": self.profile_iters, "groups": self.groups,
+            "alpha_s": self.cost.alpha if self.cost else None,
+            "beta_s_per_byte": self.cost.beta if self.cost else None,
+            "backward_s": self.backward_s,
+        }
+
+
+PLANNERS = {"bucket": Bucket, "per_tensor": PerTensor, "partition": Partition,
+            "mgwfbp": MergedGroups}

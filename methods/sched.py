@@ -1,4 +1,15 @@
-"""Schedulers: decide when each communication unit is issued and awaited."""
+"""Schedulers: decide when each communication unit is issued and awaited.
+
+- `after_backward` (BSP): every unit once backward has finished.
+- `on_ready` (WFBP, MG-WFBP): a unit as soon as all its gradients are ready,
+  from the gradient hooks, so communication overlaps the rest of backward.
+- `priority` (ByteScheduler, methods/priority.py): partitions from a priority
+  queue under a credit, updates per layer, overlapping the next forward.
+
+Every scheduler takes `hook_delay_s` (sleep a random 0..hook_delay_s seconds
+in each gradient hook, drawn per rank from `delay_seed`): tests use it to
+prove that ranks issue collectives in one order whatever the timing.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +17,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from methods.base import GradBuffer, Handle, Transport
+from methods.delay import HookDelay
 from methods.plan import Unit
+from methods.priority import Priority
 
 
 class AfterBackward:
     """BSP: every unit is issued once backward has finished, in plan order."""
+
+    def __init__(self, *, hook_delay_s: float = 0.0, delay_seed: int = 0,
+                 timeout_s: float = 300.0) -> None:
+        self.hook_delay_s = hook_delay_s  # no gradient hooks: nothing to delay
 
     def attach(
         self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit], transport: Transport
@@ -31,6 +49,9 @@ class AfterBackward:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def zero_grad(self) -> None:
+        self.buffer.flat.zero_()
+
     def drain(self) -> None:
         pass  # synchronize() already waited for everything
 
@@ -38,7 +59,76 @@ class AfterBackward:
         pass
 
     def describe(self) -> dict[str, Any]:
-        return {"scheduler": type(self).__name__, "units": [[u.start, u.end] for u in self.units]}
+        return {"scheduler": "after_backward",
+                "units": [[u.start, u.end] for u in self.units]}
 
 
-SCHEDULERS = {"after_backward": AfterBackward}
+class OnReady(AfterBackward):
+    """WFBP: a unit is issued from the gradient hooks as soon as all its tensors are ready.
+
+    On an ordered transport (collectives) units go in plan order: a unit that is
+    ready waits for the ones ahead of it, so every rank issues the same sequence
+    whatever the timing of its hooks. Unordered transports (PS) issue at once.
+    `synchronize` issues what never became ready (unused parameters) and waits.
+    """
+
+    def __init__(self, *, hook_delay_s: float = 0.0, delay_seed: int = 0,
+                 timeout_s: float = 300.0) -> None:
+        self.hook_delay_s, self.delay_seed = hook_delay_s, delay_seed
+        self.hooks: list[RemovableHandle] = []
+
+    def attach(
+        self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit], transport: Transport
+    ) -> None:
+        super().attach(model, buffer=buffer, units=units, transport=transport)
+        self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
+        self.unit_of = {i: u for u, unit in enumerate(units) for i in unit.params}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                      for i, p in enumerate(buffer.params)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.missing = [len(u.params) for u in self.units]
+        self.issued = [False] * len(self.units)
+        self.next = 0
+        self.handles: list[Handle] = []
+
+    def _hook(self, i: int):
+        def ready(_param: torch.Tensor) -> None:
+            self.delay()
+            u = self.unit_of[i]
+            self.missing[u] -= 1
+            if self.missing[u] == 0:
+                self._issue(u)
+        return ready
+
+    def _issue(self, u: int) -> None:
+        if not self.transport.ordered:
+            self._issue_one(u)
+            return
+        while self.next < len(self.units) and self.missing[self.next] <= 0:
+            self._issue_one(self.next)
+            self.next += 1
+
+    def _issue_one(self, u: int) -> None:
+        if not self.issued[u]:
+            self.issued[u] = True
+            self.handles.append(self._start(u))
+
+    def synchronize(self) -> None:
+        for u in range(len(self.units)):  # in plan order: units whose tensors got no gradient
+            self._issue_one(u)
+        for h in self.handles:
+            h.wait()
+        self._reset()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "scheduler": "on_ready"}
+
+
+SCHEDULERS = {"after_backward": AfterBackward, "on_ready": OnReady, "priority": Priority}

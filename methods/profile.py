@@ -1,0 +1,64 @@
+"""Layer-wise backward times, measured on the running job (MG-WFBP's input).
+
+The profiler stamps the start of backward (a hook on the model's output) and
+the moment each gradient is ready (the gradient hooks), per iteration. A
+tensor's backward time is how much later than the tensor before it (backward
+order) its gradient is ready; the median over the profiled iterations is
+agreed across ranks by an all-reduce mean, so every rank plans the same.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class BackwardProfiler:
+    """Records when each gradient of `params` (backward order) is ready, per iteration."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter]) -> None:
+        self.index = {p: i for i, p in enumerate(params)}
+        self.n = len(params)
+        self.iterations: list[list[float]] = []
+        self._start = 0.0
+        self._stamps = [0.0] * self.n
+        self._hooks: list[RemovableHandle] = [model.register_forward_hook(self._on_output)]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _on_output(self, _module: nn.Module, _inputs, output) -> None:
+        self._start = time.perf_counter()  # if the output has no grad hook, backward ~ now
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, _grad: torch.Tensor) -> None:
+        self._start = time.perf_counter()
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        self._stamps[self.index[param]] = time.perf_counter()
+
+    def end_iteration(self) -> None:
+        """Close the iteration in progress: keep its gradient-ready times."""
+        self.iterations.append([s - self._start for s in self._stamps])
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def backward_times(self, group: dist.ProcessGroup | None, *, skip: int = 1) -> list[float]:
+        """Per-tensor backward seconds (backward order), the same on every rank of `group`.
+
+        Ready times are made monotonic (a unit cannot go before the ones ahead of
+        it), the first `skip` iterations are dropped when more remain (warm-up).
+        A collective: every rank of `group` must call it.
+        """
+        kept = self.iterations[skip:] or self.iterations
+        ready = torch.tensor(kept, dtype=torch.float64).median(dim=0).values
+        ready = torch.cummax(ready.clamp(min=0), dim=0).values
+        times = torch.diff(ready, prepend=torch.zeros(1, dtype=torch.float64))
+        dist.all_reduce(times, group=group)
+        return (times / dist.get_world_size(group)).tolist()

@@ -1,0 +1,354 @@
+"""The seven methods (and ddp) are lossless, on all-reduce and on parameter servers.
+
+The lossless matrix starts real processes once per cluster shape (Gloo on CPU,
+workers plus parameter servers) and runs every method of conf/method/ in them
+(a new YAML file is covered for free) on a ResNet flavor (SGD + momentum) and a
+BERT flavor (AdamW), with small partitions and credits so that tensors really
+are split, and random per-rank delays in the gradient hooks so that ranks see
+gradients at different times. After 3 steps the parameters must equal the
+single-process reference of harness.verify and be identical on every rank.
+
+Two workers sum exactly (a + b is the reference's g0 + g1), so there a ResNet
+at lr 0.1, whose ReLU and max-pool kinks turn any wrong bit into a visible
+difference, must match. With three workers an all-reduce sums in another order
+than the reference; the ResNet flavor there uses lr 1e-4 so that the rounding
+stays within float tolerance after 3 steps (at lr 0.1 no all-reduce method,
+bsp_a2a included, meets it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+import methods
+import models
+from harness import config
+from harness.bench import build
+from harness.launch import Context
+from harness.verify import dropout_seed, flat_params, local_batch, reference
+from methods.costmodel import Cost, least_squares
+from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
+from methods.ps import assign, cut
+from tests.conftest import REPO, run_module
+
+METHOD_FILES = sorted((REPO / "conf" / "method").glob("*.yaml"))
+METHODS = [p.stem for p in METHOD_FILES]
+
+RESNET = ["model=resnet50_small", "model.build.arch=resnet18", "model.build.image_size=32",
+          "model.build.num_classes=10", "model.local_batch_size=4"]
+BERT = ["model=bert_tiny", "model.build.hidden_size=64", "model.build.intermediate_size=128",
+        "model.build.seq_len=16", "+model.build.vocab_size=1000", "model.local_batch_size=2"]
+FLAVORS = {
+    2: {"resnet": RESNET, "bert": BERT},
+    3: {"resnet": [*RESNET, "model.optimizer.lr=1e-4"], "bert": BERT},
+}
+PARTITION = {"resnet": 50_000, "bert": 8_192}  # elements: both models get split tensors
+HOOK_DELAY_S = 0.002
+SHAPES = [(2, 2), (3, 1)]  # (workers, servers): world sizes 2 and 3, PS with 2 and 1 servers
+MATRIX_TIMEOUT_S = 420
+
+
+# -- planners, cost model, server assignment (no processes) ----------------------------
+
+
+def test_mgwfbp_keeps_large_tensors_apart_when_communication_is_free() -> None:
+    sizes = [100_000] * 4
+    groups = mgwfbp_groups(sizes, [1.0] * 4, Cost(alpha=0.0, beta=1e-12))
+    assert groups == [[0], [1], [2], [3]]
+
+
+def test_mgwfbp_merges_everything_when_startup_dominates() -> None:
+    sizes = [100_000] * 4
+    groups = mgwfbp_groups(sizes, [1e-3] * 4, Cost(alpha=1.0, beta=1e-12))
+    assert groups == [[0, 1, 2, 3]]
+
+
+def test_mgwfbp_always_merges_small_tensors() -> None:
+    sizes = [100_000, 10, 20, 100_000, 30]
+    groups = mgwfbp_groups(sizes, [1.0] * 5, Cost(alpha=0.0, beta=1e-12))
+    assert groups == [[0], [1, 2, 3], [4]]
+
+
+def test_mgwfbp_merges_when_the_previous_allreduce_still_runs() -> None:
+    # tensor 0 (output side) is ready at 1 s and takes 10 s to all-reduce, so tensor 1's
+    # all-reduce could not start before 11 s anyway: merge 1 into 2. Tensor 2's gradient
+    # is ready at 3 s, long before that; the group (1, 2) waits until tensor 0 is done.
+    # Tensor 3 is ready at 103 s, when the link has long been idle: it stays alone.
+    sizes = [1_000_000, 100_000, 100_000, 100_000]
+    beta = 10.0 / (4 * 1_000_000)
+    groups = mgwfbp_groups(sizes, [1.0, 1.0, 1.0, 100.0], Cost(alpha=0.0, beta=beta))
+    assert groups == [[0], [1, 2], [3]]
+
+
+def test_mgwfbp_merges_when_waiting_costs_less_than_alpha() -> None:
+    # the link is idle when tensor 1 is ready; tensor 2 follows 0.1 s later, less than
+    # the alpha = 0.5 s a separate all-reduce would cost: merge. Tensor 3 follows 5 s later.
+    sizes = [100_000] * 4
+    groups = mgwfbp_groups(sizes, [1.0, 10.0, 0.1, 5.0], Cost(alpha=0.5, beta=1e-12))
+    assert groups == [[0], [1, 2], [3]]
+
+
+def test_least_squares_recovers_the_line() -> None:
+    xs = [1e3, 1e4, 1e5, 1e6]
+    cost = least_squares(xs, [2e-5 + 3e-9 * x for x in xs])
+    assert cost.alpha == pytest.approx(2e-5) and cost.beta == pytest.approx(3e-9)
+    with pytest.raises(ValueError, match="two message sizes"):
+        least_squares([1.0, 1.0], [1.0, 2.0])
+
+
+def test_planners_cover_the_buffer_contiguously() -> None:
+    sizes = [10, 25, 7]
+    for planner, expected in ((Bucket(), 1), (PerTensor(), 3),
+                              (Partition(partition_elements=8), 2 + 4 + 1),
+                              (Partition(partition_bytes=40), 1 + 3 + 1)):
+        units = planner.plan(sizes, element_size=4)
+        assert len(units) == expected, planner
+        assert units[0].start == 0 and units[-1].end == sum(sizes)
+        assert all(a.end == b.start for a, b in zip(units, units[1:]))
+    assert all(u.numel <= 8 for u in Partition(partition_elements=8).plan(sizes))
+
+
+def test_server_partitions_are_balanced_and_deterministic() -> None:
+    units = Bucket().plan([1_000_000, 3_000_000, 500])
+    parts = [e - s for s, e in cut(units, 1_024_000)[0]]
+    assert sum(parts) == 4_000_500 and max(parts) <= 1_024_000
+    owners = assign(parts, [2, 3])
+    assert owners == assign(parts, [2, 3])
+    loads = [sum(n for n, o in zip(parts, owners) if o == s) for s in (2, 3)]
+    assert abs(loads[0] - loads[1]) <= max(parts)
+
+
+# -- bad input: one line, before anything starts ----------------------------------------
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["method=bsp_ps", "cluster.servers=0"], ["uses parameter servers", "cluster.servers=0"]),
+    (["method=wfbp_ps", "method.transport.partition_bytes=0"], ["partition_bytes=0", "> 0"]),
+    (["method=bytescheduler_a2a", "method.planner.partition_elements=-5"],
+     ["partition_elements=-5", "> 0"]),
+    (["method=bytescheduler_a2a", "method.scheduler.credit_elements=0"],
+     ["credit_elements=0", "> 0"]),
+    (["method=bytescheduler_a2a", "method.scheduler.credit_elements=1000"],
+     ["credit (1000 elements) is smaller than one partition (4000000 elements)"]),
+    (["method=bytescheduler_ps", "method.scheduler.credit_bytes=4000"],
+     ["smaller than one partition"]),
+    (["method=mgwfbp", "+method.planner.bucket=3"],
+     ["method.planner.bucket is not an argument", "profile_iters"]),
+])
+def test_bad_method_settings_are_one_line_config_errors(overrides, words) -> None:
+    with pytest.raises(config.ConfigError) as err:
+        config.load(overrides)
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+def test_run_rejects_a_ps_method_without_servers_before_launch() -> None:
+    out = run_module("harness.run", "method=bytescheduler_ps", "cluster.servers=0",
+                     "results_dir=/nonexistent/never")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "cluster.servers=0" in out.stderr
+
+
+# -- the lossless matrix: real processes, every method, two cluster shapes --------------
+
+
+def _method_overrides(name: str, flavor: str) -> list[str]:
+    """Shrink partitions and credits so tensors split; profile briefly; shake hook timing."""
+    conf = yaml.safe_load((REPO / "conf" / "method" / f"{name}.yaml").read_text())
+    part = PARTITION[flavor]
+    out = [f"method={name}"]
+    if conf["transport"]["name"] == "ddp":
+        return out
+    if "partition_bytes" in conf["transport"]:
+        out.append(f"method.transport.partition_bytes={4 * part}")
+    for key, value in (("partition_elements", part), ("partition_bytes", 4 * part)):
+        if key in conf["planner"]:
+            out.append(f"method.planner.{key}={value}")
+    for key, value in (("credit_elements", 2 * part), ("credit_bytes", 8 * part)):
+        if key in conf["scheduler"]:
+            out.append(f"method.scheduler.{key}={value}")
+    if conf["planner"]["name"] == "mgwfbp":
+        out += ["method.planner.profile_iters=1", "+method.planner.fit_sizes=[256,4096,32768]",
+                "+method.planner.fit_repeats=2"]
+    out.append(f"+method.scheduler.hook_delay_s={HOOK_DELAY_S}")
+    return out
+
+
+def _jobs(workers: int) -> list[tuple[str, str, list[str]]]:
+    return [(name, flavor, [*FLAVORS[workers][flavor], *_method_overrides(name, flavor),
+                            "run.timeout_s=120"])
+            for flavor in FLAVORS[workers] for name in METHODS]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context(rank: int, world: int, workers: int) -> Context:
+    group = dist.new_group(list(range(workers)), timeout=dt.timedelta(seconds=120))
+    return Context(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                   num_workers=workers, num_servers=world - workers, run_id="test",
+                   run_dir=None, device=torch.device("cpu"), backend="gloo",
+                   worker_group=group)
+
+
+def _train(cfg, ctx: Context) -> tuple[torch.Tensor, float, dict]:
+    """harness.verify's loop: (this rank's parameters, max spread over ranks, the plan)."""
+    model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
+    for step in range(cfg.verify.steps):
+        batch = models.move_batch(local_batch(model, cfg, ctx.rank, step), ctx.device)
+        torch.manual_seed(dropout_seed(cfg.run.seed, step, ctx.rank))
+        model(batch).backward()
+        method.synchronize()
+        method.step(optimizer)
+        method.zero_grad()
+    method.drain()
+    mine = flat_params(model)
+    theirs = mine.clone()
+    dist.broadcast(theirs, src=0, group=ctx.worker_group)
+    spread = (mine - theirs).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ctx.worker_group)
+    plan = method.plan()
+    method.close()
+    return mine, spread.item(), plan
+
+
+def _compare(cfg, mine: torch.Tensor, refs: dict, flavor: str, workers: int) -> dict:
+    if flavor not in refs:
+        refs[flavor] = flat_params(reference(cfg, workers=workers, device=torch.device("cpu")))
+    ref = refs[flavor]
+    try:
+        torch.testing.assert_close(mine, ref, atol=cfg.verify.atol, rtol=cfg.verify.rtol)
+        mismatch = None
+    except AssertionError as exc:
+        mismatch = str(exc)
+    return {"max_abs_diff": (mine - ref).abs().max().item(), "mismatch": mismatch}
+
+
+def _summary(plan: dict) -> dict:
+    return {"units": len(plan.get("units", [])), "partitions": plan.get("partitions"),
+            "groups": plan.get("groups"), "order": plan.get("order"),
+            "alpha_s": plan.get("alpha_s")}
+
+
+def _matrix_rank(rank: int, world: int, workers: int, port: int, out: str) -> None:
+    """One process of the matrix: a server serves; a worker runs every job in turn."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=dt.timedelta(seconds=120))
+    ctx = _context(rank, world, workers)
+    if rank >= workers:
+        methods.serve(num_workers=workers)
+        dist.destroy_process_group()
+        return
+    results, refs = {}, {}
+    for name, flavor, overrides in _jobs(workers):
+        started = time.perf_counter()
+        cfg = config.load(overrides)
+        try:
+            mine, spread, plan = _train(cfg, ctx)
+        except Exception:  # noqa: BLE001 - recorded; the next job would hang, so stop
+            results[f"{name}/{flavor}"] = {"error": traceback.format_exc()}
+            break
+        if rank == 0:
+            results[f"{name}/{flavor}"] = {
+                **_compare(cfg, mine, refs, flavor, workers), "max_rank_diff": spread,
+                "seconds": time.perf_counter() - started, **_summary(plan)}
+    if ctx.num_servers:
+        methods.stop_servers(num_workers=workers)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, *args, timeout_s: float) -> list[int]:
+    """Run fn(rank, world, *args) in `world` fresh processes; their exit codes.
+
+    Raises if they are not all done within `timeout_s` (and kills what is left).
+    """
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(rank, world, *args), daemon=True)
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            raise TimeoutError(f"processes still running after {timeout_s:g} s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return [p.exitcode for p in procs]
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[f"w{w}s{s}" for w, s in SHAPES])
+def matrix(request, tmp_path_factory) -> tuple[int, int, dict]:
+    workers, servers = request.param
+    out = tmp_path_factory.mktemp("matrix") / "results.json"
+    started = time.monotonic()
+    codes = _spawn(_matrix_rank, workers + servers, workers, _free_port(), str(out),
+                   timeout_s=MATRIX_TIMEOUT_S)
+    assert codes == [0] * (workers + servers), f"exit codes {codes}"
+    results = json.loads(out.read_text())
+    results["_seconds"] = time.monotonic() - started
+    return workers, servers, results
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("flavor", ["resnet", "bert"])
+def test_lossless(matrix, method: str, flavor: str) -> None:
+    workers, servers, results = matrix
+    got = results.get(f"{method}/{flavor}")
+    assert got is not None, f"{method} did not run (an earlier job failed): {results.keys()}"
+    assert "error" not in got, got.get("error")
+    assert got["mismatch"] is None, f"{method} x{workers} {flavor}: {got['mismatch']}"
+    assert got["max_rank_diff"] == 0.0, f"ranks disagree by {got['max_rank_diff']}"
+    if workers == 2:  # two-term sums are exact: any difference is a bug
+        assert got["max_abs_diff"] == 0.0
+
+
+def test_partitions_really_split_tensors_and_plans_are_recorded(matrix) -> None:
+    workers, servers, results = matrix
+    for key, got in results.items():
+        if key.startswith("_") or "error" in got:
+            continue
+        name, flavor = key.split("/")
+        if name.startswith("bytescheduler"):
+            tensors = 62 if flavor == "resnet" else 41  # resnet18; the BERT flavor
+            assert got["units"] > tensors, (key, got)
+            assert got["order"] == "leader"  # rank 0 decides the issue order
+        if name.endswith("_ps"):
+            assert got["partitions"] > 1, (key, got)
+        if name == "mgwfbp":
+            assert got["groups"] and got["alpha_s"] is not None, (key, got)
+
+
+# -- harness.verify end to end, every method --------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_harness_verify_passes(method: str) -> None:
+    extra = [o for o in _method_overrides(method, "bert") if not o.startswith("+method.sched")]
+    out = run_module("harness.verify", *BERT, *extra, "cluster.workers_per_node=2",
+                     "run.timeout_s=120", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert line == "max_abs_diff=0.000e+00 max_rank_diff=0.000e+00", line
