@@ -54,11 +54,12 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model_of(model).parameters()])
 
 
-def worker(cfg: DictConfig, ctx: Context) -> None:
-    """Entry of every rank for `python -m harness.verify`."""
-    if not ctx.is_worker:
-        serve_until_done(cfg, ctx)
-        return
+def train(cfg: DictConfig, ctx: Context) -> tuple[torch.Tensor, float, dict]:
+    """`verify.steps` steps of the method on this worker.
+
+    Returns this rank's parameters, their largest difference from rank 0's (the
+    same on every worker) and the method's plan. A collective of the workers.
+    """
     model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
     for step in range(cfg.verify.steps):
         batch = models.move_batch(local_batch(model, cfg, ctx.rank, step), ctx.device)
@@ -71,9 +72,19 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     mine = flat_params(model)
     theirs = mine.clone()
     dist.broadcast(theirs, src=0, group=ctx.worker_group)
-    rank_diff = (mine - theirs).abs().max()
-    dist.all_reduce(rank_diff, op=dist.ReduceOp.MAX, group=ctx.worker_group)
+    spread = (mine - theirs).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ctx.worker_group)
+    plan = method.plan()
     method.close()
+    return mine, spread.item(), plan
+
+
+def worker(cfg: DictConfig, ctx: Context) -> None:
+    """Entry of every rank for `python -m harness.verify`."""
+    if not ctx.is_worker:
+        serve_until_done(cfg, ctx)
+        return
+    mine, rank_diff, _ = train(cfg, ctx)
     if ctx.num_servers:
         methods.stop_servers(num_workers=ctx.num_workers)
     if ctx.rank != 0:
@@ -81,8 +92,8 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device))
     diff = (mine - ref).abs().max().item()
     close = torch.allclose(mine, ref, atol=cfg.verify.atol, rtol=cfg.verify.rtol)
-    print(f"max_abs_diff={diff:.3e} max_rank_diff={rank_diff.item():.3e}", flush=True)
-    if not close or rank_diff.item() != 0:
+    print(f"max_abs_diff={diff:.3e} max_rank_diff={rank_diff:.3e}", flush=True)
+    if not close or rank_diff != 0:
         raise SystemExit(1)
 
 

@@ -32,11 +32,9 @@ import torch.multiprocessing as mp
 import yaml
 
 import methods
-import models
 from harness import config
-from harness.bench import build
 from harness.launch import Context
-from harness.verify import dropout_seed, flat_params, local_batch, reference
+from harness.verify import flat_params, reference, train
 from methods.costmodel import Cost, least_squares
 from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
 from methods.ps import assign, cut
@@ -207,27 +205,6 @@ def _context(rank: int, world: int, workers: int) -> Context:
                    worker_group=group)
 
 
-def _train(cfg, ctx: Context) -> tuple[torch.Tensor, float, dict]:
-    """harness.verify's loop: (this rank's parameters, max spread over ranks, the plan)."""
-    model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
-    for step in range(cfg.verify.steps):
-        batch = models.move_batch(local_batch(model, cfg, ctx.rank, step), ctx.device)
-        torch.manual_seed(dropout_seed(cfg.run.seed, step, ctx.rank))
-        model(batch).backward()
-        method.synchronize()
-        method.step(optimizer)
-        method.zero_grad()
-    method.drain()
-    mine = flat_params(model)
-    theirs = mine.clone()
-    dist.broadcast(theirs, src=0, group=ctx.worker_group)
-    spread = (mine - theirs).abs().max()
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ctx.worker_group)
-    plan = method.plan()
-    method.close()
-    return mine, spread.item(), plan
-
-
 def _compare(cfg, mine: torch.Tensor, refs: dict, flavor: str, workers: int) -> dict:
     if flavor not in refs:
         refs[flavor] = flat_params(reference(cfg, workers=workers, device=torch.device("cpu")))
@@ -261,7 +238,7 @@ def _matrix_rank(rank: int, world: int, workers: int, port: int, out: str) -> No
         started = time.perf_counter()
         cfg = config.load(overrides)
         try:
-            mine, spread, plan = _train(cfg, ctx)
+            mine, spread, plan = train(cfg, ctx)
         except Exception:  # noqa: BLE001 - recorded; the next job would hang, so stop
             results[f"{name}/{flavor}"] = {"error": traceback.format_exc()}
             break
