@@ -216,6 +216,10 @@ def validate(cfg: DictConfig) -> None:
         _positive(name, OmegaConf.select(cfg, name))
     for name in ("run.warmup_iters", "run.threads", "verify.atol", "verify.rtol"):
         _positive(name, OmegaConf.select(cfg, name), zero_ok=True)
+    _positive("microbench.repeats", cfg.microbench.repeats)
+    if not 4 <= cfg.microbench.min_bytes <= cfg.microbench.max_bytes:
+        raise ConfigError(f"microbench.min_bytes={cfg.microbench.min_bytes} and max_bytes="
+                          f"{cfg.microbench.max_bytes} are invalid; need 4 <= min <= max")
     if cfg.cluster.servers is not None:
         _positive("cluster.servers", cfg.cluster.servers, zero_ok=True)
     _one_of("cluster.device", cfg.cluster.device, ("auto", "cpu", "cuda"))

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness import netem
-from harness.config import ConfigError, from_json, resolve_backend, resolve_device, to_json
+from harness.config import ConfigError, from_json, load, resolve_backend, resolve_device, to_json
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
@@ -126,6 +126,19 @@ def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
         return _launch_local(cfg, entry=entry)
     code, run_id = _run_rank(cfg, entry=entry, run_id=None, run_dir=None, **ext)
     return code, run_id if ext["rank"] == 0 else None
+
+
+def command(argv: list[str], *, entry: str) -> int:
+    """A one-configuration command: validate `argv` (one line and exit 2 on bad input,
+    before anything starts), then run `entry` on every rank; the run's exit code."""
+    try:
+        cfg = load(argv)
+        check_launcher(cfg)
+    except ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
+    code, _ = launch(cfg, entry=entry)
+    return code
 
 
 def _free_port() -> int:

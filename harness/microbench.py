@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import config, results
-from harness.launch import Context, check_launcher, launch
+from harness import results
+from harness.launch import Context, command
 from methods.costmodel import least_squares, time_allreduce
 
 FOLDER = results.OTHER_DATA
@@ -93,18 +93,7 @@ def table(frame: pd.DataFrame) -> str:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = config.load(argv)
-        if cfg.microbench.min_bytes < 4 or cfg.microbench.max_bytes < cfg.microbench.min_bytes:
-            raise config.ConfigError(
-                f"microbench.min_bytes={cfg.microbench.min_bytes} / max_bytes="
-                f"{cfg.microbench.max_bytes} are invalid; need 4 <= min_bytes <= max_bytes")
-        check_launcher(cfg)
-    except config.ConfigError as exc:
-        print(f"ddlbench: error: {exc}", file=sys.stderr)
-        return 2
-    code, _ = launch(cfg, entry="harness.microbench")
-    return code
+    return command(argv, entry="harness.microbench")
 
 
 if __name__ == "__main__":

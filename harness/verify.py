@@ -20,9 +20,8 @@ from torch import nn
 
 import methods
 import models
-from harness import config
 from harness.bench import batch_generator, build, make_optimizer, model_of, serve_until_done
-from harness.launch import Context, check_launcher, launch
+from harness.launch import Context, command
 
 
 def dropout_seed(seed: int, step: int, rank: int) -> int:
@@ -98,14 +97,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = config.load(argv)
-        check_launcher(cfg)
-    except config.ConfigError as exc:
-        print(f"ddlbench: error: {exc}", file=sys.stderr)
-        return 2
-    code, _ = launch(cfg, entry="harness.verify")
-    return code
+    return command(argv, entry="harness.verify")
 
 
 if __name__ == "__main__":
