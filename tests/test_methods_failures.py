@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import methods
 from harness import config, results
+from harness.verify import train
 from tests.conftest import TINY, live_processes, run_module
-from tests.test_methods import BERT, _context, _free_port, _spawn, _train
+from tests.test_methods import BERT, _context, _free_port, _spawn
 
 TIMEOUT_S = 20
 
@@ -32,7 +33,7 @@ def _dying_server_rank(rank: int, world: int, port: int, out: str) -> None:
     cfg = config.load([*BERT, "method=bsp_ps", "verify.steps=5", f"run.timeout_s={TIMEOUT_S}"])
     started = time.monotonic()
     try:
-        _train(cfg, ctx)
+        train(cfg, ctx)
         error = None
     except RuntimeError as exc:
         error = str(exc)
