@@ -9,6 +9,8 @@ message naming the bad value and the fix; entry points print it and exit 2.
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import itertools
 import os
@@ -19,6 +21,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -103,6 +106,16 @@ class MicrobenchConf:
 
 
 @dataclass
+class SimulateConf:
+    compute: str = "measured"   # measured (profile this machine) | a GPU named in `gpus`
+    gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}
+    profile_iters: int = 5
+    iterations: int = 6
+    reference: str | None = None
+    advise: bool = False
+
+
+@dataclass
 class BenchConf:
     model: ModelConf = field(default_factory=ModelConf)
     method: MethodConf = field(default_factory=MethodConf)
@@ -111,6 +124,7 @@ class BenchConf:
     run: RunConf = field(default_factory=RunConf)
     verify: VerifyConf = field(default_factory=VerifyConf)
     microbench: MicrobenchConf = field(default_factory=MicrobenchConf)
+    simulate: SimulateConf = field(default_factory=SimulateConf)
     results_dir: str = "results"
 
 
@@ -146,12 +160,18 @@ def _check_choices(overrides: list[str]) -> None:
 def compose_raw(overrides: list[str], *, hydra_node: bool = False) -> DictConfig:
     """Compose conf/bench.yaml with `overrides` (no sweeps), unvalidated."""
     _check_choices(overrides)
+    return copy.deepcopy(_compose(tuple(overrides), hydra_node))
+
+
+@functools.lru_cache(maxsize=256)
+def _compose(overrides: tuple[str, ...], hydra_node: bool) -> DictConfig:
+    """Hydra's compose (~0.2 s each, so each distinct one is done once per process)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose("bench", overrides=overrides, return_hydra_config=hydra_node)
+            return compose("bench", overrides=list(overrides), return_hydra_config=hydra_node)
     except Exception as exc:  # noqa: BLE001 - any compose error is bad input
-        raise ConfigError(f"bad configuration {overrides}: {_first_line(exc)}") from None
+        raise ConfigError(f"bad configuration {list(overrides)}: {_first_line(exc)}") from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -185,17 +205,96 @@ def expand(overrides: list[str]) -> list[list[str]]:
             for combo in itertools.product(*(swept[k] for k in keys))]
 
 
-def load(overrides: list[str]) -> DictConfig:
-    """Compose one job's config, apply the schema and check every rule."""
-    cfg = compose_raw(overrides)
+def sweep(overrides: list[str]) -> list[list[str]]:
+    """Every job of a sweep: the main product, then each `hydra.sweeper.extra` product.
+
+    Keys given in `overrides` win over both; duplicates are dropped.
+    """
+    jobs = expand(overrides)
+    base = compose_raw([o for o in overrides if "," not in o], hydra_node=True)
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    for entry in base.hydra.sweeper.get("extra") or []:
+        extra = [f"{k}={v}" for k, v in entry.items() if k not in given]
+        jobs += expand([*overrides, *extra])
+    unique: list[list[str]] = []
+    for job in jobs:
+        if job not in unique:
+            unique.append(job)
+    return unique
+
+
+def load(overrides: list[str], *, simulate: bool = False) -> DictConfig:
+    """Compose one job's config, apply the schema and check every rule.
+
+    `simulate`: the job is only simulated (harness.simulate), so it may name a real
+    network and an emulated cluster need not be makeable here.
+    """
+    return load_all([overrides], simulate=simulate)[0]
+
+
+def load_all(jobs: list[list[str]], *, simulate: bool = False) -> list[DictConfig]:
+    """`load` of every job, composing as little as possible (Hydra takes ~0.2 s a compose).
+
+    Jobs of a sweep share a context (experiment, fixed overrides) and differ in group
+    choices (model=..., method=...) and plain values (cluster.nodes=4). Each context is
+    composed once, each group choice once within it (its subtree is spliced in), and
+    plain values are set last, as Hydra sets them after composing.
+    """
+    composed: dict[tuple[str, ...], DictConfig] = {}
+
+    def typed(overrides: tuple[str, ...]) -> DictConfig:
+        if overrides not in composed:
+            composed[overrides] = _typed(compose_raw(list(overrides)))
+        return composed[overrides]
+
+    out = []
+    for job in jobs:
+        parsed = _parse(job)
+        plain = [o for o in parsed if _is_plain(o)]
+        choices = [o for o in parsed if _is_choice(o)]
+        context = tuple(o.input_line for o in parsed if o not in plain and o not in choices)
+        cfg = copy.deepcopy(typed(context))
+        for o in choices:
+            cfg[o.key_or_group] = typed((*context, o.input_line))[o.key_or_group]
+        for o in plain:
+            if OmegaConf.select(cfg, o.key_or_group, default=_ABSENT) is _ABSENT:
+                compose_raw(job)  # Hydra's own error for a key the config lacks
+            _schema_errors(OmegaConf.update, cfg, o.key_or_group, o.value(), merge=False)
+        validate(cfg, simulate=simulate)
+        out.append(cfg)
+    return out
+
+
+_ABSENT = object()
+
+
+def _is_choice(override) -> bool:
+    """`group=option` for a group whose option fills one subtree (not the experiment)."""
+    return (override.type == OverrideType.CHANGE and override.package is None
+            and not override.is_sweep_override()
+            and override.key_or_group in GROUPS and override.key_or_group != "experiment")
+
+
+def _is_plain(override) -> bool:
+    """`key=value` on a key of the config (not a group choice, sweep, addition or deletion)."""
+    return (override.type == OverrideType.CHANGE and override.package is None
+            and not override.is_sweep_override() and "/" not in override.key_or_group
+            and override.key_or_group not in GROUPS
+            and override.key_or_group.split(".")[0] != "hydra")
+
+
+def _typed(cfg: DictConfig) -> DictConfig:
+    return _schema_errors(OmegaConf.merge, OmegaConf.structured(BenchConf), cfg)
+
+
+def _schema_errors(func, *args, **kwargs):
+    """`func(*args, **kwargs)`, its omegaconf type errors as ConfigError naming the key."""
     try:
-        typed = OmegaConf.merge(OmegaConf.structured(BenchConf), cfg)
+        return func(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - omegaconf type errors
         msg = _first_line(exc)
         key = getattr(exc, "full_key", None)
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
-    validate(typed)
-    return typed
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -209,8 +308,8 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is invalid; choose one of: {', '.join(allowed)}")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first rule `cfg` breaks."""
+def validate(cfg: DictConfig, *, simulate: bool = False) -> None:
+    """Raise ConfigError for the first rule `cfg` breaks (`simulate`: see `load`)."""
     for name in ("model.local_batch_size", "cluster.nodes", "cluster.workers_per_node",
                  "run.timed_iters", "run.repeats", "run.timeout_s", "verify.steps"):
         _positive(name, OmegaConf.select(cfg, name))
@@ -229,6 +328,9 @@ def validate(cfg: DictConfig) -> None:
     _check_model(cfg.model)
     _check_method(cfg.method)
     _check_servers(cfg.method, cfg.cluster)
+    if simulate:
+        _check_simulate(cfg)
+        return
     _check_devices(cfg.cluster)
     _check_network(cfg)
 
@@ -278,6 +380,10 @@ def _check_devices(cluster: DictConfig) -> None:
 def _check_network(cfg: DictConfig) -> None:
     from harness import netem
 
+    if is_real_network(cfg.network):
+        raise ConfigError(f"network={cfg.network.name} is a real network, for "
+                          "`python -m harness.simulate` only; runs here use network=loopback "
+                          "or a rate-limited profile with cluster=emulated")
     rate = cfg.network.get("rate_mbit")
     if rate is not None:
         _positive("network.rate_mbit", rate)
@@ -293,6 +399,29 @@ def _check_network(cfg: DictConfig) -> None:
                               "on PATH; install iproute2 (apt-get install -y iproute2)")
         if cfg.cluster.device != "cpu":
             raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")
+
+
+def is_real_network(network: DictConfig) -> bool:
+    """Whether a network profile describes a real cluster's links (simulator input)."""
+    return "inter_node" in network
+
+
+def _check_simulate(cfg: DictConfig) -> None:
+    sim = cfg.simulate
+    for name in ("simulate.profile_iters", "simulate.iterations"):
+        _positive(name, OmegaConf.select(cfg, name))
+    rate = cfg.network.get("rate_mbit")
+    if rate is not None:
+        _positive("network.rate_mbit", rate)
+    if sim.compute == "measured":
+        return
+    if sim.compute not in sim.gpus:
+        raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose measured or a "
+                          f"GPU of simulate.gpus: {', '.join(sim.gpus) or 'none defined'}")
+    if cfg.model.name not in sim.gpus[sim.compute]:
+        raise ConfigError(f"simulate.gpus.{sim.compute} has no 1-GPU throughput of model "
+                          f"{cfg.model.name!r}; add simulate.gpus.{sim.compute}."
+                          f"{cfg.model.name}=<samples/s> or use simulate.compute=measured")
 
 
 def resolve_device(cluster: DictConfig) -> str:

@@ -260,7 +260,7 @@ def _record_failure(cfg: DictConfig, *, entry: str, run_id: str, run_dir: Path,
         module.record_failure(cfg, run_id=run_id, repeat=None, error=error)
 
 
-def _threads(cfg: DictConfig, local_world_size: int) -> int:
+def torch_threads(cfg: DictConfig, local_world_size: int) -> int:
     if cfg.run.threads:
         return cfg.run.threads
     cores = len(os.sched_getaffinity(0))
@@ -278,7 +278,7 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(_threads(cfg, local_world_size))
+    torch.set_num_threads(torch_threads(cfg, local_world_size))
     ctx = None
     try:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
         return hydra_main(argv)
     try:
         jobs = config.expand(argv)
-        cfgs = [config.load(job) for job in jobs]
+        cfgs = config.load_all(jobs)
         for cfg in cfgs:
             check_launcher(cfg)
     except config.ConfigError as exc:

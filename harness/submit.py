@@ -74,24 +74,6 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, own
 
 
-def sweep(overrides: list[str]) -> list[list[str]]:
-    """Every job of the sweep: the main product, then each `hydra.sweeper.extra` product.
-
-    Keys given in `overrides` win over both; duplicates are dropped.
-    """
-    jobs = config.expand(overrides)
-    base = config.compose_raw([o for o in overrides if "," not in o], hydra_node=True)
-    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    for entry in base.hydra.sweeper.get("extra") or []:
-        extra = [f"{k}={v}" for k, v in entry.items() if k not in given]
-        jobs += config.expand([*overrides, *extra])
-    unique: list[list[str]] = []
-    for job in jobs:
-        if job not in unique:
-            unique.append(job)
-    return unique
-
-
 def layout(cfg: DictConfig, slurm: DictConfig) -> list[int]:
     """Node index of every rank: workers fill `nodes` nodes in order, then the servers go
     round-robin onto the worker nodes (colocate_servers) or onto nodes of their own."""
@@ -140,13 +122,12 @@ def pending(tasks: list[Task]) -> tuple[list[Task], list[Task]]:
 def load_tasks(overrides: list[str]) -> list[Task]:
     """Compose, validate and place every configuration of the sweep."""
     tasks = []
-    for job in sweep(overrides):
-        raw = config.compose_raw(job)
-        slurm = raw.cluster.get("slurm")
-        if slurm is None:
-            raise config.ConfigError(f"cluster {raw.cluster.name!r} has no `slurm` settings; "
+    jobs = config.sweep(overrides)
+    for job, cfg in zip(jobs, config.load_all(jobs)):
+        slurm = cfg.cluster.slurm
+        if not slurm:
+            raise config.ConfigError(f"cluster {cfg.cluster.name!r} has no `slurm` settings; "
                                      "use cluster=slurm (conf/cluster/slurm.yaml) or a copy")
-        cfg = config.load(job)
         check_settings(cfg, slurm)
         tasks.append(Task(overrides=job, cfg=cfg, slurm=slurm, layout=layout(cfg, slurm)))
     return tasks

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForPreTraining
 
 from models.synthetic import Batch, token_batch
 
@@ -16,6 +15,8 @@ class BertModel(nn.Module):
         self, *, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
         seq_len: int, vocab_size: int = 30522, dropout: float = 0.1,
     ) -> None:
+        from transformers import BertConfig, BertForPreTraining  # seconds to import: on use
+
         super().__init__()
         config = BertConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 
 from models.synthetic import Batch, image_batch
@@ -13,6 +12,8 @@ class VisionModel(nn.Module):
     """A torchvision classifier whose forward returns the cross-entropy loss of a batch."""
 
     def __init__(self, *, arch: str, image_size: int, num_classes: int) -> None:
+        import torchvision  # a second to import: on use
+
         super().__init__()
         if arch not in torchvision.models.list_models(module=torchvision.models):
             raise ValueError(f"vision arch {arch!r} is not a torchvision classifier")

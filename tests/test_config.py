@@ -13,13 +13,32 @@ from tests.conftest import TINY, run_module
 @pytest.mark.parametrize("group", ["model", "method", "cluster", "network"])
 def test_every_choice_composes_and_validates(group: str) -> None:
     # rate-limited network profiles belong to emulated clusters (which need root)
+    # real networks are for the simulator
     extra = ["cluster=emulated"] if group == "network" and os.geteuid() == 0 else []
     for name in config.choices(group):
-        if group == "network" and not extra:
+        real = config.is_real_network(config.compose_raw([f"{group}={name}"]).network)
+        if real:
+            cfg = config.load([f"{group}={name}"], simulate=True)
+        elif group == "network" and not extra:
             cfg = config.compose_raw([f"{group}={name}"])
         else:
             cfg = config.load([f"{group}={name}", *extra])
         assert cfg[group].name == name, f"conf/{group}/{name}.yaml must say name: {name}"
+
+
+def test_real_networks_are_for_the_simulator_only() -> None:
+    assert {"eth10_tcp", "eth100_tcp", "ib100_rdma"} <= set(config.choices("network"))
+    with pytest.raises(config.ConfigError, match="network=ib100_rdma is a real network"):
+        config.load(["network=ib100_rdma"])
+
+
+def test_sweep_jobs_load_as_if_composed_one_by_one() -> None:
+    jobs = config.sweep(["experiment=paper", "network=ib100_rdma"])
+    assert len(jobs) == 3 * 7 * 4 + 3  # and the three 1-GPU baselines
+    fast = config.load_all(jobs, simulate=True)
+    for job, cfg in list(zip(jobs, fast))[::10]:
+        one = config._typed(config.compose_raw(job))  # Hydra applies every override itself
+        assert config.to_json(one) == config.to_json(cfg), job
 
 
 def test_every_experiment_expands_to_valid_jobs() -> None:

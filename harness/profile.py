@@ -1,0 +1,178 @@
+"""Per-tensor compute times of one worker's training iteration: the simulator's compute input.
+
+One trace gives the steps of an iteration: each parameter-owning module's forward
+(in execution order, with the layers its forward needs), the moment each gradient is
+ready during backward (backward order, as the methods lay gradients out) and the
+optimizer step. Two clocks drive the same trace:
+
+- `counted`: floating-point operations, counted on the meta device (no memory, no
+  compute), scaled so the whole iteration takes `local_batch / throughput` seconds: a
+  named GPU calibrated by nothing but its 1-GPU throughput on that model. The
+  optimizer step is inside that time, spread over the steps by their FLOPs.
+- `measured`: wall-clock time on this machine's device, the median of a few iterations.
+
+Counting BERT-Large takes seconds, so counted traces are kept in
+`$XDG_CACHE_HOME/ddlbench/` (default ~/.cache/ddlbench/), keyed by the model's
+family, build arguments and the torch and transformers/torchvision versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import models
+from harness.bench import batch_generator, make_optimizer
+from methods.base import backward_order
+from methods.layerwise import module_layers
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One worker's iteration, step by step (seconds)."""
+
+    sizes: list[int]          # elements of each gradient tensor, backward order
+    backward_s: list[float]   # per tensor: from the previous gradient ready until this one
+    layer_of: list[int]       # per tensor: its layer (methods.layerwise.module_layers)
+    forward: list[tuple[tuple[int, ...], float]]  # execution order: (layers needed, seconds)
+    update_s: float           # the optimizer step of the whole model
+    source: str
+
+    @property
+    def forward_s(self) -> float:
+        return sum(s for _, s in self.forward)
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + sum(self.backward_s) + self.update_s
+
+    def scaled(self, factor: float) -> Compute:
+        """Every step `factor` times longer (processes sharing too few cores)."""
+        return Compute(self.sizes, [t * factor for t in self.backward_s], self.layer_of,
+                       [(needs, t * factor) for needs, t in self.forward],
+                       self.update_s * factor, self.source)
+
+
+def _trace(model: nn.Module, batch: models.Batch, clock: Callable[[], float],
+           optimizer: torch.optim.Optimizer | None = None) -> tuple[list, list[float], list[float]]:
+    """One iteration stamped by `clock`: ([(layers needed, end) per parameter-owning
+    module's forward, execution order], gradient ready times, [start, forward end,
+    backward end, step end])."""
+    params = backward_order(model)
+    _, _, needs = module_layers(model, params)
+    index = {p: i for i, p in enumerate(params)}
+    ends: list[tuple[tuple[int, ...], float]] = []
+    ready = [0.0] * len(params)
+    hooks = [m.register_forward_hook(lambda m, *_: ends.append((tuple(needs[m]), clock())))
+             for m in needs]
+    hooks += [p.register_post_accumulate_grad_hook(
+        lambda p: ready.__setitem__(index[p], clock())) for p in params]  # last one wins
+    try:
+        start = clock()
+        loss = model(batch)
+        forward_end = clock()
+        loss.backward()
+        backward_end = clock()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return ends, ready, [start, forward_end, backward_end, clock()]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _compute(model: nn.Module, ends: list, ready: list[float], marks: list[float],
+             *, scale: float, source: str) -> Compute:
+    params = backward_order(model)
+    _, layer_of, _ = module_layers(model, params)
+    start, forward_end, backward_end, step_end = marks
+    order, times = zip(*ends)
+    # a step is everything since the previous one ended; the loss joins the last step
+    steps = [b - a for a, b in zip([start, *times], times)]
+    steps[-1] += forward_end - times[-1]
+    ready = list(torch.cummax(torch.tensor(ready, dtype=torch.float64).clamp(min=forward_end),
+                              dim=0).values)
+    backward = [float(b - a) for a, b in zip([forward_end, *ready], ready)]
+    backward[-1] += backward_end - float(ready[-1])
+    return Compute(sizes=[p.numel() for p in params],
+                   backward_s=[t * scale for t in backward], layer_of=layer_of,
+                   forward=[(n, t * scale) for n, t in zip(order, steps)],
+                   update_s=(step_end - backward_end) * scale, source=source)
+
+
+def counted(model_cfg: DictConfig, *, throughput: float, gpu: str) -> Compute:
+    """Steps timed by their FLOPs, the iteration scaled to `local_batch / throughput` s."""
+    flops = _flops(model_cfg)
+    scaled = flops.scaled(model_cfg.local_batch_size / throughput / flops.total_s)
+    return dataclasses.replace(scaled, source=f"counted:{gpu}")
+
+
+def _flops(model_cfg: DictConfig) -> Compute:
+    """The iteration of one sample in FLOPs per step (from the cache when there)."""
+    versions = {d: _version(d) for d in ("torch", "transformers", "torchvision")}
+    key = json.dumps([model_cfg.family, dict(model_cfg.build), versions], sort_keys=True)
+    path = _cache_dir() / f"flops-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return Compute(**{**data, "forward": [(tuple(n), t) for n, t in data["forward"]]})
+    with torch.device("meta"):
+        model = models.family_class(model_cfg.family)(**model_cfg.build)
+        batch = model.make_batch(1, None)  # FLOPs grow linearly with the batch
+    counter = FlopCounterMode(display=False)
+    with counter:
+        trace = _trace(model, batch, lambda: float(counter.get_total_flops()))
+    flops = _compute(model, *trace, scale=1.0, source="flops")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(flops)))
+    tmp.replace(path)
+    return flops
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddlbench"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def measured(model_cfg: DictConfig, *, iters: int, device: torch.device,
+             seed: int = 0) -> Compute:
+    """Steps timed on `device` (synchronized at each stamp), median of `iters` iterations."""
+    model = models.build(model_cfg.family, model_cfg.build, seed=seed).to(device)
+    optimizer = make_optimizer(model, model_cfg.optimizer)
+    batch = models.move_batch(model.make_batch(model_cfg.local_batch_size,
+                                               batch_generator(seed, 0)), device)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    traces = [_trace(model, batch, clock, optimizer) for _ in range(2 + iters)][2:]
+    order = [n for n, _ in traces[0][0]]
+    # every stamp relative to its iteration's start, then the median per stamp
+    rel = [([t - marks[0] for _, t in ends], [t - marks[0] for t in ready],
+            [t - marks[0] for t in marks]) for ends, ready, marks in traces]
+    ends, ready, marks = ([statistics.median(v) for v in zip(*(r[k] for r in rel))]
+                          for k in range(3))
+    return _compute(model, list(zip(order, ends)), ready, marks, scale=1.0,
+                    source=f"measured:{device.type}")

@@ -1,0 +1,480 @@
+"""`python -m harness.simulate experiment=<name> network=<profile>`: predict a sweep.
+
+A discrete-event model of training iterations, per configuration:
+
+- compute: per-tensor forward and backward times (harness.profile): FLOPs scaled to a
+  GPU of `simulate.gpus` (calibrated only by its 1-GPU throughput), or measured here;
+- the method's own planner (the plan objects of methods.plan: bucket, per tensor, the
+  MG-WFBP merge from the backward times and a fitted alpha/beta, partitions) and its
+  scheduler's semantics: after backward, on ready, or a priority queue under a credit
+  with per-layer updates that the next forward pass waits for;
+- the network: intra- and inter-node links (alpha + beta * bytes) from a real profile's
+  facts or from the microbenchmark; ring, tree or hierarchical all-reduce; S parameter
+  servers each behind its own link, with the partitions of methods.ps.
+
+Every configuration of the sweep becomes one result row with source=simulated (one
+shard per simulation), so `harness.report` draws simulated figures with the same code.
+`simulate.reference=<csv>` validates against measured throughputs, `simulate.advise=true`
+ranks the methods per model and cluster with the bottleneck of each.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig
+
+from harness import config, profile, results
+from harness.launch import num_servers, num_workers, torch_threads
+from methods import plan as plans
+from methods import ps
+from methods.costmodel import Cost, least_squares
+from methods.plan import Unit, size_in_elements
+
+ELEMENT_SIZE = 4  # fp32 gradients
+FIT_SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # elements, as methods.costmodel
+
+
+# -- the network -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    intra: Cost           # between the workers of one node
+    inter: Cost           # between nodes, and to every parameter server
+    allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
+    ps_local_reduce: bool  # PS: a node sums its workers' gradients before pushing (BytePS)
+    ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
+
+
+def network(cfg: DictConfig) -> Network:
+    """The link model of `cfg.network`: a real network's facts, or the microbenchmark's fit."""
+    net = cfg.network
+    if config.is_real_network(net):
+        points = [(float(b), float(b) * 8 / (gbit * 1e9)) for b, gbit in net.inter_node.gbit_per_s]
+        inter = least_squares(*zip(*points))
+        ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
+        beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
+        return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
+                       net.get("allreduce", "ring"), bool(net.get("ps_local_reduce", False)),
+                       bool(net.get("ps_host_copy", False)))
+    link = _microbench_link(cfg)
+    return Network(net.name, link, link, "ring", False, False)
+
+
+def _microbench_link(cfg: DictConfig) -> Cost:
+    """The point-to-point alpha/beta of the newest microbenchmark of this network."""
+    folder = Path(cfg.results_dir) / results.OTHER_DATA
+    frames = [pd.read_parquet(p) for p in sorted(folder.glob("*.parquet"), key=os.path.getmtime)]
+    fits = [f for f in frames if (f.network == cfg.network.name).all() and (f.kind == "p2p").any()]
+    if not fits:
+        where = "cluster=emulated " if cfg.network.get("rate_mbit") else ""
+        raise config.ConfigError(
+            f"network={cfg.network.name} has no measured link in {folder}; measure it first: "
+            f"python -m harness.microbench {where}network={cfg.network.name} "
+            f"cluster.{'nodes' if where else 'workers_per_node'}=2")
+    p2p = fits[-1][fits[-1].kind == "p2p"].iloc[0]
+    return Cost(float(p2p.alpha_s), float(p2p.beta_s_per_byte))
+
+
+def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> float:
+    """Seconds of one all-reduce of `nbytes` over nodes x per_node workers."""
+    p = nodes * per_node
+    if p == 1 or nbytes == 0:
+        return 0.0
+    links = ([net.intra] if per_node > 1 else []) + ([net.inter] if nodes > 1 else [])
+    alpha, beta = max(c.alpha for c in links), max(c.beta for c in links)
+    moved = 2 * (p - 1) / p * nbytes * beta  # every link of a ring carries this much
+    if net.allreduce == "hierarchical":  # reduce-scatter in the node, ring across, all-gather
+        local = 2 * (per_node - 1) * (net.intra.alpha + nbytes / per_node * net.intra.beta)
+        across = 2 * (nodes - 1) * (net.inter.alpha + nbytes / p * net.inter.beta)
+        return local + across
+    ring = 2 * (p - 1) * alpha + moved
+    # a tree: logarithmic start-up across nodes, a chain within; no better bandwidth than a ring
+    depth = math.ceil(math.log2(nodes)) * net.inter.alpha + (per_node - 1) * net.intra.alpha
+    tree = 2 * depth + moved
+    return {"ring": ring, "tree": tree, "best": min(ring, tree)}[net.allreduce]
+
+
+# -- communication: resources with a queue ---------------------------------------------------
+
+class Collectives:
+    """All-reduces run one at a time, in issue order (one communication stream)."""
+
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        self.seconds = seconds
+        self.free = 0.0
+        self.busy = {"collective": 0.0}
+
+    def issue(self, unit: int, nbytes: int, t: float) -> float:
+        duration = self.seconds(nbytes)
+        self.free = max(t, self.free) + duration
+        self.busy["collective"] += duration
+        return self.free
+
+
+@dataclass
+class _Link:
+    free: float = 0.0
+    busy: float = 0.0
+
+    def occupy(self, t: float, seconds: float) -> float:
+        self.free = max(t, self.free) + seconds
+        self.busy += seconds
+        return self.free
+
+
+@dataclass
+class ParameterServers:
+    """Push every partition to its server, which answers once all pushes are in.
+
+    Links are one-way queues: a node's uplink and downlink (a worker's own when nodes
+    do not reduce locally), each server's downlink and uplink, and the node's bus
+    (intra-node links) up and down: the local reduce and the copy to host memory
+    before the push, the copy back and the local broadcast after the pull (BytePS).
+    """
+
+    net: Network
+    parts: list[list[tuple[int, int]]]  # per unit: (bytes, server index)
+    nodes: int
+    per_node: int
+    servers: int
+    links: dict[str, _Link] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        local = self.net.ps_local_reduce and self.per_node > 1
+        # bytes over the bus per byte of partition: reduce (or broadcast) and host copy
+        bus_share = (local * (self.per_node - 1) / self.per_node) + self.net.ps_host_copy
+        senders = self.nodes if self.net.ps_local_reduce else self.nodes * self.per_node
+        node_share = 1 if self.net.ps_local_reduce else self.per_node
+        self.links = {n: _Link() for n in ("node_up", "node_down", "bus_up", "bus_down")}
+        servers = [(_Link(), _Link()) for _ in range(self.servers)]
+        for s, (down, up) in enumerate(servers):
+            self.links[f"server{s}_in"], self.links[f"server{s}_out"] = down, up
+        inter, intra = self.net.inter, self.net.intra
+        # per unit, per partition: (bus seconds, node link seconds, server link seconds, links)
+        self.steps = [[(intra.seconds(size * bus_share) if bus_share else 0.0,
+                        size * node_share * inter.beta, size * senders * inter.beta,
+                        servers[server]) for size, server in unit] for unit in self.parts]
+
+    @property
+    def busy(self) -> dict[str, float]:
+        return {n: link.busy for n, link in self.links.items()}
+
+    def issue(self, unit: int, nbytes: int, t: float) -> float:
+        done, alpha = t, self.net.inter.alpha
+        node_up, node_down = self.links["node_up"], self.links["node_down"]
+        bus_up, bus_down = self.links["bus_up"], self.links["bus_down"]
+        for bus, node, server, (server_in, server_out) in self.steps[unit]:
+            start = bus_up.occupy(t, bus) if bus else t
+            pushed = max(node_up.occupy(start, node), server_in.occupy(start, server)) + alpha
+            pulled = max(server_out.occupy(pushed, server), node_down.occupy(pushed, node)) + alpha
+            if bus:
+                pulled = bus_down.occupy(pulled, bus)
+            done = max(done, pulled)
+        return done
+
+
+# -- one configuration -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    iteration_s: float
+    throughput: float
+    speedup: float            # over the same model's compute alone on one worker
+    exposed_s: float          # communication not hidden behind computation, per iteration
+    bottleneck: str
+    plan: dict
+
+
+def ddp_buckets(sizes: list[int], cap_bytes: int, first_bytes: int = 1 << 20) -> list[list[int]]:
+    """torch DDP's buckets: consecutive tensors (backward order) up to 1 MiB, then `cap_bytes`."""
+    groups, group, filled, cap = [], [], 0, first_bytes
+    for i, n in enumerate(sizes):
+        group.append(i)
+        filled += n * ELEMENT_SIZE
+        if filled >= cap:
+            groups.append(group)
+            group, filled, cap = [], 0, cap_bytes
+    return groups + ([group] if group else [])
+
+
+def units_of(method: DictConfig, compute: profile.Compute, cost: Cost) -> tuple[list[Unit], dict]:
+    """The method's communication units, from the real planners."""
+    if method.transport.name == "ddp":
+        cap = int(method.planner.get("bucket_cap_mb", 25) * (1 << 20))
+        groups = ddp_buckets(compute.sizes, cap)
+        units = plans.groups_to_units(compute.sizes, groups)
+        return units, {"planner": "ddp", "buckets": len(groups)}
+    args = {k: v for k, v in method.planner.items() if k != "name"}
+    planner = plans.PLANNERS[method.planner.name](**args)
+    if method.planner.name == "mgwfbp":
+        units = planner.plan_measured(compute.sizes, backward_s=compute.backward_s, cost=cost,
+                                      element_size=ELEMENT_SIZE)
+    else:
+        units = planner.plan(compute.sizes, element_size=ELEMENT_SIZE)
+    return units, planner.describe()
+
+
+def _credit(scheduler: DictConfig) -> int:
+    return size_in_elements(elements=scheduler.get("credit_elements"),
+                            nbytes=scheduler.get("credit_bytes"), element_size=ELEMENT_SIZE,
+                            what="scheduler credit")
+
+
+def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Prediction:
+    """Simulate `simulate.iterations` iterations of one configuration; steady-state time."""
+    nodes, per_node = cfg.cluster.nodes, cfg.cluster.workers_per_node
+    workers, method = num_workers(cfg), cfg.method
+
+    def collective(nbytes: int) -> float:
+        return allreduce_s(net, nbytes, nodes=nodes, per_node=per_node)
+
+    fit_bytes = [n * ELEMENT_SIZE for n in FIT_SIZES]
+    cost = least_squares(fit_bytes, [collective(b) for b in fit_bytes])
+    units, described = units_of(method, compute, cost)
+    if method.transport.name == "ps":
+        part = max(1, method.transport.get("partition_bytes", ps.PARTITION_BYTES) // ELEMENT_SIZE)
+        cuts = ps.cut(units, part)
+        servers = num_servers(cfg)
+        owners = iter(ps.assign([e - s for c in cuts for s, e in c], list(range(servers))))
+        comm = ParameterServers(net, [[((e - s) * ELEMENT_SIZE, next(owners)) for s, e in c]
+                                      for c in cuts], nodes, per_node, servers)
+    else:
+        comm = Collectives(collective)
+    kind = method.scheduler.name
+    credit = _credit(method.scheduler) if kind == "priority" else 0
+    ends = _iterate(compute, units, comm, kind=kind, credit=credit,
+                    iterations=cfg.simulate.iterations)
+    steady = ends[1:] if len(ends) > 2 else ends
+    iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
+    exposed = max(0.0, iteration - compute.total_s)
+    busiest, busy = max(comm.busy.items(), key=lambda kv: kv[1])
+    bottleneck = "compute"
+    if exposed > 0.05 * iteration:
+        bottleneck = ("server link" if busiest.startswith("server")
+                      else "exposed communication")
+    plan = {**described, "units": len(units), "alpha_s": cost.alpha, "beta_s_per_byte": cost.beta,
+            "busiest_link": busiest, "busy_s_per_iteration": busy / len(ends),
+            "compute": compute.source, "network": net.name}
+    samples = workers * cfg.model.local_batch_size
+    return Prediction(iteration, samples / iteration, workers * compute.total_s / iteration,
+                      exposed, bottleneck, plan)
+
+
+def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
+             iterations: int) -> list[float]:
+    """The end of each iteration (its last update), simulated one after another."""
+    backward_ready = list(itertools.accumulate(compute.backward_s))
+    nbytes = [u.numel * ELEMENT_SIZE for u in units]
+    layers = max(compute.layer_of) + 1
+    layer_done = [0.0] * layers  # when each layer's last update of the previous iteration is in
+    layer_share = [0.0] * layers
+    total = sum(compute.sizes)
+    for i, n in enumerate(compute.sizes):
+        layer_share[compute.layer_of[i]] += compute.update_s * n / total
+    t, ends = 0.0, []
+    for _ in range(iterations):
+        for needs, seconds in compute.forward:
+            if kind == "priority":  # the next forward waits only for its own layers
+                t = max([t, *(layer_done[layer] for layer in needs)])
+            t += seconds
+        ready = [t + r for r in backward_ready]
+        end_of_backward = ready[-1]
+        if kind == "after_backward":
+            unit_ready = [end_of_backward] * len(units)
+        else:
+            unit_ready = [ready[u.params[-1]] for u in units]  # ready times never decrease
+        if kind == "priority":
+            done = _priority(units, nbytes, unit_ready, comm, credit)
+            updated = [0.0] * layers
+            for u, finish in zip(units, done):
+                layer = compute.layer_of[u.params[0]]
+                updated[layer] = max(updated[layer], finish)
+            free = end_of_backward  # one thread applies the layers' updates as they come in
+            for layer in sorted(range(layers), key=lambda i: updated[i]):
+                free = max(free, updated[layer]) + layer_share[layer]
+                layer_done[layer] = free
+            t = end_of_backward
+            ends.append(max(layer_done))
+        else:
+            done = [comm.issue(i, nbytes[i], r) for i, r in enumerate(unit_ready)]
+            t = max([end_of_backward, *done]) + compute.update_s
+            ends.append(t)
+    return ends
+
+
+def _priority(units: list[Unit], nbytes: list[int], ready: list[float], comm,
+              credit: int) -> list[float]:
+    """ByteScheduler: the highest-priority ready unit (input side first) goes while fewer
+    than `credit` elements are in flight (one always may); returns each unit's finish."""
+    n = len(units)
+    done = [0.0] * n
+    arrivals = sorted(range(n), key=lambda u: (ready[u], u))
+    queue: list[tuple[int, int, int]] = []  # (-tensor index: input side first, start, unit)
+    flight: list[tuple[float, int]] = []    # (finish, elements)
+    used, now, nxt = 0, 0.0, 0
+    while nxt < n or queue:
+        while nxt < n and ready[arrivals[nxt]] <= now:
+            u = arrivals[nxt]
+            heapq.heappush(queue, (-units[u].params[0], units[u].start, u))
+            nxt += 1
+        while flight and flight[0][0] <= now:
+            used -= heapq.heappop(flight)[1]
+        while queue and (not flight or used + units[queue[0][2]].numel <= credit):
+            u = heapq.heappop(queue)[2]
+            done[u] = comm.issue(u, nbytes[u], now)
+            heapq.heappush(flight, (done[u], units[u].numel))
+            used += units[u].numel
+        events = ([ready[arrivals[nxt]]] if nxt < n else []) + ([flight[0][0]] if queue else [])
+        if not events:
+            break
+        now = max(now, min(events))
+    return done
+
+
+# -- the sweep ---------------------------------------------------------------------------
+
+class ComputeProfiles:
+    """Each model's compute, profiled once per simulation."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, profile.Compute] = {}
+
+    def __call__(self, cfg: DictConfig) -> profile.Compute:
+        sim, model = cfg.simulate, cfg.model
+        if sim.compute != "measured":
+            key = (config.to_json(model), sim.compute)
+            if key not in self.cache:
+                self.cache[key] = profile.counted(
+                    model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute)
+            return self.cache[key]
+        threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
+        key = (config.to_json(model), threads)
+        if key not in self.cache:
+            import torch
+
+            torch.set_num_threads(threads)
+            device = torch.device(config.resolve_device(cfg.cluster))
+            self.cache[key] = profile.measured(model, iters=sim.profile_iters, device=device,
+                                               seed=cfg.run.seed)
+        if cfg.cluster.name not in ("local", "emulated"):
+            return self.cache[key]
+        # every worker of a local or emulated cluster runs on this machine: they share its cores
+        cores = len(os.sched_getaffinity(0))
+        return self.cache[key].scaled(max(1.0, num_workers(cfg) * threads / cores))
+
+
+def row(cfg: DictConfig, pred: Prediction, compute: profile.Compute, *, run_id: str) -> dict:
+    from harness.bench import identity
+
+    return {
+        **identity(cfg, run_id=run_id, repeat=0), "source": "simulated",
+        "model_params": sum(compute.sizes), "model_tensors": len(compute.sizes),
+        "throughput": pred.throughput, "timed_s": pred.iteration_s * cfg.run.timed_iters,
+        "forward_s": compute.forward_s, "backward_s": sum(compute.backward_s),
+        "comm_s": pred.exposed_s, "update_s": compute.update_s, "status": "ok",
+        "device": compute.source, "plan_json": json.dumps({**pred.plan,
+                                                           "bottleneck": pred.bottleneck}),
+    }
+
+
+def kendall_tau(x: list[float], y: list[float]) -> float:
+    """Kendall's tau-b of two orderings (ties within 1e-9 relative count as ties)."""
+    def sign(a: float, b: float) -> int:
+        return 0 if abs(a - b) <= 1e-9 * max(abs(a), abs(b)) else (1 if a > b else -1)
+
+    pairs = [(sign(x[i], x[j]), sign(y[i], y[j]))
+             for i, j in itertools.combinations(range(len(x)), 2)]
+    n0 = len(pairs)
+    tied_x = sum(1 for a, _ in pairs if a == 0)
+    tied_y = sum(1 for _, b in pairs if b == 0)
+    denom = math.sqrt((n0 - tied_x) * (n0 - tied_y))
+    return sum(a * b for a, b in pairs) / denom if denom else 0.0
+
+
+def validate_against(frame: pd.DataFrame, reference: str) -> tuple[pd.DataFrame, str]:
+    """Predicted vs measured throughput on the reference's cells of the simulated network."""
+    ref = pd.read_csv(reference)
+    needed = {"model", "method", "network", "gpus", "throughput_mean"}
+    if needed - set(ref.columns):
+        raise config.ConfigError(f"simulate.reference={reference} lacks columns "
+                                 f"{sorted(needed - set(ref.columns))}")
+    ref = ref[ref.network.isin(frame.network.unique())]
+    both = frame.merge(ref, left_on=["model", "method", "network", "world_size"],
+                       right_on=["model", "method", "network", "gpus"])
+    if both.empty:
+        raise config.ConfigError(f"simulate.reference={reference} has no cell of this sweep "
+                                 f"(network {', '.join(frame.network.unique())})")
+    both["pct_error"] = 100 * (both.throughput - both.throughput_mean) / both.throughput_mean
+    taus = [kendall_tau(list(g.throughput), list(g.throughput_mean))
+            for _, g in both.groupby(["model", "world_size"]) if len(g) > 1]
+    err = both.pct_error.abs()
+    line = (f"median_abs_pct_error={err.median():.1f} max_abs_pct_error={err.max():.1f} "
+            f"mean_kendall_tau={statistics.fmean(taus) if taus else float('nan'):.2f}")
+    return both, line
+
+
+def advice(frame: pd.DataFrame) -> str:
+    """Per model and cluster: the methods ranked by predicted throughput."""
+    out = []
+    keys = ["model", "network", "nodes", "workers_per_node"]
+    for (model, net, nodes, per_node), g in frame[frame.world_size > 1].groupby(keys):
+        out.append(f"\n{model} on {nodes} node(s) x {per_node} worker(s), {net}:")
+        for i, r in enumerate(g.sort_values("throughput", ascending=False).itertuples(), 1):
+            out.append(f"  {i}. {r.method:<18} {r.throughput:10.1f} samples/s  "
+                       f"speedup {r.speedup:5.2f}x  bottleneck: {r.bottleneck}")
+    return "\n".join(out)
+
+
+def simulate(cfgs: list[DictConfig]) -> pd.DataFrame:
+    """Predict every configuration; print a line each; write one shard; return the rows."""
+    profiles, networks = ComputeProfiles(), {}
+    run_id = f"sim-{uuid.uuid4().hex[:8]}"
+    rows = []
+    for i, cfg in enumerate(cfgs, 1):
+        compute = profiles(cfg)
+        net = networks.setdefault(cfg.network.name, network(cfg))
+        pred = predict(cfg, compute, net)
+        rows.append({**row(cfg, pred, compute, run_id=run_id), "speedup": pred.speedup,
+                     "bottleneck": pred.bottleneck})
+        print(f"[{i}/{len(cfgs)}] {cfg.model.name} {cfg.method.name} {cfg.cluster.nodes}x"
+              f"{cfg.cluster.workers_per_node} on {net.name}: {pred.throughput:.1f} samples/s, "
+              f"speedup {pred.speedup:.2f}x, exposed comm {pred.exposed_s * 1e3:.1f} ms/iter "
+              f"({pred.bottleneck})", flush=True)
+    path = results.shard_path(cfgs[0].results_dir, run_id, 0)
+    results.write_shard(path, [{k: v for k, v in r.items() if k in results.COLUMNS} for r in rows])
+    print(f"simulated {len(rows)} configurations -> {path}", flush=True)
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        jobs = config.sweep(argv)
+        cfgs = config.load_all(jobs, simulate=True)
+        frame = simulate(cfgs)
+        sim = cfgs[0].simulate
+        if sim.advise:
+            print(advice(frame))
+        if sim.reference:
+            _, line = validate_against(frame, sim.reference)
+            print(line)
+    except config.ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

