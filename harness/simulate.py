@@ -404,9 +404,20 @@ def kendall_tau(x: list[float], y: list[float]) -> float:
     return sum(a * b for a, b in pairs) / denom if denom else 0.0
 
 
+def measured_reference(reference: str) -> pd.DataFrame:
+    """A reference: a CSV in the study's format, or a results folder of measured runs."""
+    if not Path(reference).is_dir():
+        return pd.read_csv(reference)
+    runs = results.load(Path(reference))
+    runs = runs[(runs.status == "ok") & (runs.source == "measured")]
+    keys = ["model", "method", "network", "world_size"]
+    return (runs.groupby(keys, as_index=False).throughput.mean()
+            .rename(columns={"world_size": "gpus", "throughput": "throughput_mean"}))
+
+
 def validate_against(frame: pd.DataFrame, reference: str) -> tuple[pd.DataFrame, str]:
     """Predicted vs measured throughput on the reference's cells of the simulated network."""
-    ref = pd.read_csv(reference)
+    ref = measured_reference(reference)
     needed = {"model", "method", "network", "gpus", "throughput_mean"}
     if needed - set(ref.columns):
         raise config.ConfigError(f"simulate.reference={reference} lacks columns "
