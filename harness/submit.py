@@ -94,11 +94,11 @@ def identity(cfg: DictConfig) -> tuple:
 
 
 def completed(results_dir: str | Path) -> dict[tuple, int]:
-    """Count of status-ok repeats per configuration identity among the shards."""
+    """Count of status-ok measured repeats per configuration identity among the shards."""
     frame = results.load(results_dir) if Path(results_dir).is_dir() else None
     if frame is None or frame.empty:
         return {}
-    ok = frame[frame.status == "ok"]
+    ok = frame[(frame.status == "ok") & (frame.source != "simulated")]
     counts = ok.groupby(list(IDENTITY), dropna=False).size()
     return {tuple(_plain(v) for v in key): int(n) for key, n in counts.items()}
 
@@ -113,7 +113,8 @@ def pending(tasks: list[Task]) -> tuple[list[Task], list[Task]]:
     todo, done = [], []
     for task in tasks:
         where = task.cfg.results_dir
-        counts.setdefault(where, completed(where))
+        if where not in counts:
+            counts[where] = completed(where)
         ok = counts[where].get(identity(task.cfg), 0)
         (done if ok >= task.cfg.run.repeats else todo).append(task)
     return todo, done
