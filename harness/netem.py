@@ -34,10 +34,13 @@ def missing_tools() -> list[str]:
 class EmulatedNetwork:
     """`hosts` namespaces joined by a bridge; each link limited to `rate_mbit` (None: no limit)."""
 
-    def __init__(self, *, hosts: int, rate_mbit: float | None, burst_kb: int = 64) -> None:
+    def __init__(self, *, hosts: int, rate_mbit: float | None) -> None:
         if hosts > 250:
             raise ValueError(f"{hosts} emulated hosts do not fit one /24 subnet; use at most 250")
-        self.hosts, self.rate_mbit, self.burst_kb = hosts, rate_mbit, burst_kb
+        self.hosts, self.rate_mbit = hosts, rate_mbit
+        # the bucket holds 0.5 ms of tokens (at least 64 kB): a fixed 64 kB burst caps a
+        # veth at ~3 Gbit/s here, whatever the rate
+        self.burst_kb = max(64, round((rate_mbit or 0) * 1e6 / 8 * 5e-4 / 1024))
         self.token = uuid.uuid4().hex[:6]
         self.bridge = f"{PREFIX}{self.token}br"
         self._made: list[tuple[str, ...]] = []  # undo commands, newest last
