@@ -89,11 +89,12 @@ def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
     raise RuntimeError(f"injected fault at iteration {iteration}")
 
 
-def timed_window(step: Callable[[], list[float]], *, iters: int, method: methods.Method,
+def timed_window(step: Callable[[], list[float]], *, iters: int, drain: Callable[[], None],
                  device: torch.device, group: dist.ProcessGroup | None = None
                  ) -> tuple[float, list[float], list[list[float]]]:
-    """Barrier of the workers' `group`, `iters` steps, drain; returns (window_s, iteration
-    times, phase times)."""
+    """Barrier of the workers' `group`, `iters` steps, `drain` (the method's: no
+    communication left in flight); returns (window_s, iteration times, what each step
+    returned: its phase times)."""
     dist.barrier(group=group)
     device_sync(device)
     start = last = time.perf_counter()
@@ -103,7 +104,7 @@ def timed_window(step: Callable[[], list[float]], *, iters: int, method: methods
         now = time.perf_counter()
         iter_times.append(now - last)
         last = now
-    method.drain()
+    drain()
     device_sync(device)
     window = time.perf_counter() - start
     iter_times[-1] += window - (last - start)  # the drain belongs to the last iteration
@@ -133,7 +134,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
             step()
         method.drain()
         window, iter_times, phases = timed_window(step, iters=cfg.run.timed_iters,
-                                                  method=method, device=ctx.device,
+                                                  drain=method.drain, device=ctx.device,
                                                   group=ctx.worker_group)
         per_rank = _gather((window, iter_times, phases), ctx)
         method.close()

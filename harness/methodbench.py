@@ -5,20 +5,23 @@
 
 Runs every method of conf/method/ on each model at each worker count through
 the normal `harness.run` path (one parquet shard per run), and measures a
-plain single-process training loop (forward, backward, optimizer step, no
-method, no harness) on the same model, batch, optimizer and thread count as
-the 1.0x baseline; its rows have method "plain". Everything is repeated in
-`--rounds` rounds with the configurations interleaved, so the drift of a shared
-machine hits every method alike. The ratios it prints:
+plain training loop (forward, backward, optimizer step, zero_grad: no method,
+no phase stamps) on the same model, batch and optimizer as the 1.0x baseline,
+in a process started and timed exactly as a 1-worker run is (`worker` below);
+its rows have method "plain". Everything is repeated in `--rounds` rounds with
+the configurations interleaved and rotated (the plain loop among the 1-worker
+runs), so the drift of a shared machine hits every method alike. The ratios it
+prints:
 
 - at the largest worker count: the better of wfbp_a2a and mgwfbp over ddp;
 - at 1 worker: every all-reduce method over the plain loop (the harness's overhead).
 
-Other processes on a shared machine only ever slow a run down, so the ratios
-use each configuration's best round; the medians are printed (and saved) too.
+Each ratio is taken within a round (runs minutes apart, so the slow drift of a
+shared machine cancels) and the median over the rounds is the figure; every
+round's value is printed and saved too.
 
-Results land in `<results-dir>/<timestamp>/`; the ratios are printed and saved
-next to the shards as ratios.json.
+Results land in `<results-dir>/<timestamp>/round<k>/`; the ratios are printed and
+saved as `<results-dir>/<timestamp>/ratios.json`.
 """
 
 from __future__ import annotations
@@ -26,18 +29,19 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
+import statistics
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import torch
+import pandas as pd
+from omegaconf import DictConfig
 
 import models
 from harness import config, results
 from harness import run as harness_run
-from harness.bench import batch_generator, identity, make_optimizer
+from harness.bench import batch_generator, device_name, identity, make_optimizer, timed_window
+from harness.launch import Context, launch
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 
@@ -55,36 +59,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def plain_loop(model_name: str, *, warmup: int, iters: int, seed: int = 0) -> list[float]:
-    """Per-iteration seconds of forward, backward, step, zero_grad: no method, no harness."""
-    cfg = config.load([f"model={model_name}"])
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # as a 1-worker run gets
-    model = models.build(cfg.model.family, cfg.model.build, seed=seed)
+def worker(cfg: DictConfig, ctx: Context) -> None:
+    """The plain loop's process: forward, backward, optimizer step, zero_grad; no method.
+
+    The launcher starts it exactly as it starts a 1-worker harness run (a fresh
+    process, the same thread count, the same rendezvous), and it is timed by the
+    harness's own window (barrier, `timed_iters` iterations, device sync), so the
+    ratio to it measures only what the harness and the method add.
+    """
+    model = models.build(cfg.model.family, cfg.model.build, seed=cfg.run.seed).to(ctx.device)
     optimizer = make_optimizer(model, cfg.model.optimizer)
-    batch = model.make_batch(cfg.model.local_batch_size, batch_generator(seed, 0))
-    times = []
-    for i in range(warmup + iters):
-        start = time.perf_counter()
+    batch = models.move_batch(model.make_batch(cfg.model.local_batch_size,
+                                               batch_generator(cfg.run.seed, ctx.rank)),
+                              ctx.device)
+
+    def step() -> list[float]:
         model(batch).backward()
         optimizer.step()
         optimizer.zero_grad()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        return []
+
+    for _ in range(cfg.run.warmup_iters):
+        step()
+    window, iter_times, _ = timed_window(step, iters=cfg.run.timed_iters, drain=lambda: None,
+                                         device=ctx.device)
+    record_plain(cfg, window=window, iter_times=iter_times, ctx=ctx)
 
 
-def record_plain(model_name: str, times: list[float], *, out: Path, repeat: int,
-                 warmup: int) -> None:
+def record_plain(cfg: DictConfig, *, window: float, iter_times: list[float],
+                 ctx: Context) -> None:
     """Keep a plain-loop measurement as a result row (method 'plain', world size 1)."""
-    cfg = config.load([f"model={model_name}", f"run.warmup_iters={warmup}",
-                       f"run.timed_iters={len(times)}", f"results_dir={out}"])
-    run_id = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{model_name}-plain-{uuid.uuid4().hex[:6]}"
-    row = {**identity(cfg, run_id=run_id, repeat=repeat), "method": "plain", "servers": 0,
-           "world_size": 1, "workers_per_node": 1,
-           "throughput": cfg.model.local_batch_size * len(times) / sum(times),
-           "timed_s": sum(times), "iter_times_s": times, "rank_iter_times_s": [times],
-           "status": "ok", "plan_json": json.dumps({"method": "plain"})}
-    results.write_shard(results.shard_path(out, run_id, 0), [row])
+    run_id = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{cfg.model.name}-plain-{uuid.uuid4().hex[:6]}"
+    row = {**identity(cfg, run_id=run_id, repeat=0), "method": "plain",
+           "servers": 0, "world_size": 1, "workers_per_node": 1,
+           "throughput": cfg.model.local_batch_size * cfg.run.timed_iters / window,
+           "timed_s": window, "iter_times_s": iter_times, "rank_iter_times_s": [iter_times],
+           "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
+           "plan_json": json.dumps({"method": "plain"})}
+    results.write_shard(results.shard_path(cfg.results_dir, run_id, 0), [row])
+
+
+def run_plain(model_name: str, *, out: Path, args: argparse.Namespace) -> int:
+    """The plain loop of `model_name` in a process of its own; its exit code."""
+    cfg = config.load([f"model={model_name}", "run.repeats=1",
+                       f"run.warmup_iters={args.warmup_iters}",
+                       f"run.timed_iters={args.timed_iters}", f"results_dir={out}"])
+    code, _ = launch(cfg, entry="harness.methodbench")
+    return code
 
 
 def run_method(model_name: str, method: str, workers: int, *, out: Path,
@@ -97,40 +118,45 @@ def run_method(model_name: str, method: str, workers: int, *, out: Path,
     ])
 
 
-def ratios(frame, *, workers: list[int], stat: str = "max") -> dict[str, dict[str, float]]:
-    """The targets' ratios per model, from each configuration's `stat` over the rounds.
-
-    "max" (the default) is the least disturbed round: other processes on a shared
-    machine only ever slow a run down. "median" is reported next to it.
-    """
+def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
+    """The targets' ratios per model within one round's runs."""
     ok = frame[frame.status == "ok"]
-    best = ok.groupby(["model", "method", "world_size"]).throughput.agg(stat).to_dict()
+    tput = ok.groupby(["model", "method", "world_size"]).throughput.max().to_dict()
     top = max(workers)
     out = {}
     for model_name in sorted(ok.model.unique()):
-        def tput(method: str, n: int, model_name: str = model_name) -> float | None:
-            return best.get((model_name, method, n))
+        def get(method: str, n: int, model_name: str = model_name) -> float | None:
+            return tput.get((model_name, method, n))
 
         r = {}
-        fast = max((t for t in (tput("wfbp_a2a", top), tput("mgwfbp", top)) if t), default=None)
-        if fast and tput("ddp", top):
-            r[f"best(wfbp_a2a,mgwfbp)/ddp@{top}w"] = fast / tput("ddp", top)
+        fast = max((t for t in (get("wfbp_a2a", top), get("mgwfbp", top)) if t), default=None)
+        if fast and get("ddp", top):
+            r[f"best(wfbp_a2a,mgwfbp)/ddp@{top}w"] = fast / get("ddp", top)
         for method in ALLREDUCE:
-            if tput("plain", 1) and tput(method, 1):
-                r[f"{method}/plain@1w"] = tput(method, 1) / tput("plain", 1)
+            if get("plain", 1) and get(method, 1):
+                r[f"{method}/plain@1w"] = get(method, 1) / get("plain", 1)
         out[model_name] = r
     return out
 
 
-def report(frame, *, workers: list[int]) -> dict[str, dict[str, dict[str, float]]]:
-    """Print throughput per configuration and the ratios by both statistics; return them."""
+def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[str, dict]]:
+    """Print throughput per configuration and each ratio's median over the rounds (each
+    round's ratio pairs runs made minutes apart, so the drift of a shared machine cancels);
+    return {model: {ratio: {"median", "min", "max", "rounds"}}}."""
+    frame = pd.concat(rounds)
     ok = frame[frame.status == "ok"].groupby(["model", "world_size", "method"]).throughput
-    print(ok.agg(["max", "median", "min", "count"]).round(2).to_string())
-    table = {stat: ratios(frame, workers=workers, stat=stat) for stat in ("max", "median")}
-    for model_name in table["max"]:
-        for name, value in table["max"][model_name].items():
-            median = table["median"][model_name].get(name, float("nan"))
-            print(f"{model_name:16s} {name:34s} best {value:.3f}   median {median:.3f}")
+    print(ok.agg(["median", "min", "max", "count"]).round(2).to_string())
+    per_round = [ratios(f, workers=workers) for f in rounds]
+    table: dict[str, dict[str, dict]] = {}
+    for model_name in sorted({m for r in per_round for m in r}):
+        names = dict.fromkeys(n for r in per_round for n in r.get(model_name, {}))
+        for name in names:
+            values = [r[model_name][name] for r in per_round if name in r.get(model_name, {})]
+            table.setdefault(model_name, {})[name] = {
+                "median": statistics.median(values), "min": min(values), "max": max(values),
+                "rounds": values}
+            print(f"{model_name:16s} {name:34s} median {statistics.median(values):.3f}  "
+                  f"(rounds: {', '.join(f'{v:.3f}' for v in values)})")
     return table
 
 
@@ -141,17 +167,20 @@ def main(argv: list[str]) -> int:
     out = Path(args.results_dir) / f"{dt.datetime.now():%Y%m%d-%H%M%S}"
     failed = 0
     for rnd in range(args.rounds):
-        order = method_names[rnd % len(method_names):] + method_names[:rnd % len(method_names)]
+        folder = out / f"round{rnd + 1}"
         for model_name in model_names:
-            print(f"== round {rnd + 1}/{args.rounds} {model_name}: plain loop", flush=True)
-            times = plain_loop(model_name, warmup=args.warmup_iters, iters=args.timed_iters)
-            record_plain(model_name, times, out=out, repeat=rnd, warmup=args.warmup_iters)
             for workers in worker_counts:
-                for method in order:
-                    print(f"== round {rnd + 1}/{args.rounds} {model_name} {method} "
-                          f"x{workers}", flush=True)
-                    failed += run_method(model_name, method, workers, out=out, args=args) != 0
-    table = report(results.load(out), workers=worker_counts)
+                # the plain loop takes its turn among the smallest runs, rotated like them
+                names = ["plain", *method_names] if workers == min(worker_counts) \
+                    else method_names
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    what = "plain loop" if name == "plain" else f"{name} x{workers}"
+                    print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}", flush=True)
+                    code = run_plain(model_name, out=folder, args=args) if name == "plain" \
+                        else run_method(model_name, name, workers, out=folder, args=args)
+                    failed += code != 0
+    table = report([results.load(out / f"round{r + 1}") for r in range(args.rounds)],
+                   workers=worker_counts)
     (out / "ratios.json").write_text(json.dumps(table, indent=2))
     print(f"{failed} failed runs; shards and ratios.json in {out}/")
     return 1 if failed else 0

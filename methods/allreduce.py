@@ -1,4 +1,4 @@
-"""All-reduce transport: a collective on a torch.distributed group, then / world size."""
+"""All-reduce transport: a sum on a torch.distributed group of gradients pre-scaled by 1 / size."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from methods.plan import Unit
 
 
 class _Pending:
-    __slots__ = ("work", "chunk", "size")
+    __slots__ = ("work",)
 
-    def __init__(self, work: dist.Work, chunk: torch.Tensor, size: int) -> None:
-        self.work, self.chunk, self.size = work, chunk, size
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
 
     def wait(self) -> None:
         self.work.wait()
-        self.chunk.div_(self.size)
 
 
 class _Done:
@@ -34,8 +33,10 @@ class _Done:
 class AllreduceTransport:
     """Sums a chunk over the workers' group asynchronously; `wait` leaves the average.
 
-    Collectives are matched by issue order, so `ordered` tells the scheduler to
-    issue them in one order on every rank.
+    Gradients enter the buffer already divided by the group size (`scale`, in
+    the same pass that copies them there, as DDP does), so the sum is the
+    average. Collectives are matched by issue order, so `ordered` tells the
+    scheduler to issue them in one order on every rank.
     """
 
     ordered = True
@@ -46,6 +47,7 @@ class AllreduceTransport:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.identity = self.size == 1  # one worker's gradient is already the average
+        self.scale = 1.0 / self.size
 
     def open(self, buffer: GradBuffer, units: list[Unit]) -> None:
         """Collectives need no set-up per plan."""
@@ -55,7 +57,7 @@ class AllreduceTransport:
         # collectives are matched by issue order, which the scheduler keeps equal.
         if self.size == 1:
             return _Done()
-        return _Pending(dist.all_reduce(chunk, group=self.group, async_op=True), chunk, self.size)
+        return _Pending(dist.all_reduce(chunk, group=self.group, async_op=True))
 
     def close(self) -> None:
         pass

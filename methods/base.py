@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -29,14 +30,17 @@ class Handle(Protocol):
 class Transport(Protocol):
     """Moves a gradient chunk and leaves it averaged over the workers, in place.
 
-    `ordered` transports (collectives) match messages by issue order, so every
-    rank must start the same chunks in the same order; unordered ones (PS)
-    match them by key. `open` learns the plan's units before the first `start`
-    of them (`key` is the unit's index); `close` ends that plan.
+    The chunk holds this worker's gradients times `scale` (GradBuffer applies it
+    while gathering them): 1 / workers for a collective that sums, 1 for one
+    that averages itself. `ordered` transports (collectives) match messages by
+    issue order, so every rank must start the same chunks in the same order;
+    unordered ones (PS) match them by key. `open` learns the plan's units before
+    the first `start` of them (`key` is the unit's index); `close` ends that plan.
     """
 
     ordered: bool
     identity: bool  # nothing to move (one worker on a collective): the method steps aside
+    scale: float
     rank: int
     size: int
 
@@ -96,30 +100,63 @@ class Method(ABC):
 
 
 class GradBuffer:
-    """One flat buffer holding every gradient, laid out in backward order.
+    """One flat buffer that every gradient is gathered into, laid out in backward order.
 
-    Each parameter's `.grad` is a view into it, so backward accumulates straight
-    into the buffer and every communication unit is a contiguous slice: a
-    bucket, one tensor, a merged group or a partition are all (start, end).
+    Between iterations `.grad` is None, so autograd writes each gradient into a
+    fresh tensor (no zeroing, no accumulation pass); `collect(i)` then copies it
+    into its slice, times `scale`, and points `.grad` at that slice, so the
+    communicated result is what the optimizer reads. That is one pass over the
+    gradients, as DDP's copy into its buckets. Every communication unit is a
+    contiguous slice: a bucket, one tensor, a merged group or a partition are all
+    (start, end).
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], *, scale: float = 1.0) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.params = params
+        self.scale = scale
         self.sizes = [p.numel() for p in params]
         self.offsets = [0, *itertools.accumulate(self.sizes)][:-1]
         self.flat = torch.zeros(sum(self.sizes), dtype=params[0].dtype, device=params[0].device)
-        for p, off, n in zip(params, self.offsets, self.sizes):
-            p.grad = self.flat[off : off + n].view_as(p)
+        self.views = [self.flat[off : off + n].view_as(p)
+                      for p, off, n in zip(params, self.offsets, self.sizes)]
+        self.collected = [False] * len(params)
+        self.release_all()
+
+    def collect(self, i: int) -> None:
+        """Move parameter `i`'s new gradient (zeros if it got none) into its slice, scaled."""
+        p, view = self.params[i], self.views[i]
+        if self.collected[i]:
+            raise RuntimeError(f"parameter {i} (backward order) got a second gradient in one "
+                               "iteration; call zero_grad() between iterations")
+        if p.grad is None:
+            view.zero_()
+        elif self.scale == 1.0:
+            view.copy_(p.grad)
+        else:
+            torch.mul(p.grad, self.scale, out=view)
+        p.grad = view
+        self.collected[i] = True
+
+    def collect_missing(self, indices: Iterable[int]) -> None:
+        """Collect those of `indices` that got no gradient this iteration: zeros."""
+        for i in indices:
+            if not self.collected[i]:
+                self.collect(i)
+
+    def release(self, i: int) -> None:
+        """Parameter `i`'s gradient is consumed: the next backward writes a fresh one."""
+        self.params[i].grad = None
+        self.collected[i] = False
+
+    def release_all(self) -> None:
+        for i in range(len(self.params)):
+            self.release(i)
 
     def slice(self, start: int, end: int) -> torch.Tensor:
         return self.flat[start:end]
-
-    def param_slice(self, i: int) -> torch.Tensor:
-        """The gradient of parameter `i` (backward order), flat."""
-        return self.flat[self.offsets[i] : self.offsets[i] + self.sizes[i]]
 
 
 def backward_order(model: nn.Module) -> list[nn.Parameter]:

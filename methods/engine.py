@@ -49,7 +49,7 @@ class Engine(Method):
         if getattr(self.transport, "identity", False):
             self.active = _StepAside(backward_order(model))
             return model
-        self.buffer = GradBuffer(backward_order(model))
+        self.buffer = GradBuffer(backward_order(model), scale=self.transport.scale)
         units = self.planner.plan(self.buffer.sizes, element_size=self._element_size())
         if getattr(self.planner, "profile_iters", 0):
             self.profiler = BackwardProfiler(model, self.buffer.params)

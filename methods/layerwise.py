@@ -121,7 +121,7 @@ class LayerUpdates:
         self.updated[layer].clear()
 
     def apply(self, layer: int) -> None:
-        """Step `layer`'s optimizers, zero its gradients, let its forward run."""
+        """Step `layer`'s optimizers, release its gradients, let its forward run."""
         if not self.bound.wait(self.timeout_s):
             raise TimeoutError(f"no optimizer was given within {self.timeout_s:g} s "
                                "(the training loop must call method.step(optimizer))")
@@ -131,7 +131,7 @@ class LayerUpdates:
         for sub in self.subs[layer]:
             sub.step()
         for i in self.params[layer]:
-            self.buffer.param_slice(i).zero_()
+            self.buffer.release(i)
         self.updated[layer].set()
 
     def release(self) -> None:

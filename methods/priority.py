@@ -123,14 +123,16 @@ class Priority:
         return ready
 
     def _mark(self, i: int) -> None:
+        layer = self.layers.layer_of[i]
         with self.cond:
-            layer = self.layers.layer_of[i]
             if self.marked[i] == self.iteration or self.layer_iter[layer] not in (-1,
                                                                                   self.iteration):
                 raise RuntimeError(
                     f"the gradient of a parameter of layer {self.layers.names[layer]!r} was "
                     "produced before its previous update was applied; the priority scheduler "
                     "needs every parameter used only inside the forward of its own module")
+        self.buffer.collect(i)  # outside the lock; nothing reads it before it is queued below
+        with self.cond:
             self.marked[i] = self.iteration
             if self.layer_iter[layer] == -1:
                 self.layer_iter[layer] = self.iteration
@@ -244,7 +246,7 @@ class Priority:
         self.layers.bind(optimizer)
 
     def zero_grad(self) -> None:
-        """Each layer's gradients are zeroed right after its update."""
+        """Each layer's gradients are released right after its update."""
 
     def drain(self) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -150,6 +150,7 @@ class PSTransport:
 
     ordered = False  # matched by (peer, key): any issue order works
     identity = False  # even one worker's gradients travel to the servers and back
+    scale = 1.0  # the servers average
 
     def __init__(self, *, group: dist.ProcessGroup | None = None,
                  partition_bytes: int = PARTITION_BYTES, timeout_s: float | None = None) -> None:

@@ -38,6 +38,8 @@ class AfterBackward:
         self.buffer, self.units, self.transport = buffer, units, transport
 
     def synchronize(self) -> None:
+        for i in range(len(self.buffer.params)):
+            self.buffer.collect(i)
         handles = [self._start(i) for i in range(len(self.units))]
         for h in handles:
             h.wait()
@@ -50,7 +52,7 @@ class AfterBackward:
         optimizer.step()
 
     def zero_grad(self) -> None:
-        self.buffer.flat.zero_()
+        self.buffer.release_all()
 
     def drain(self) -> None:
         pass  # synchronize() already waited for everything
@@ -96,6 +98,7 @@ class OnReady(AfterBackward):
     def _hook(self, i: int):
         def ready(_param: torch.Tensor) -> None:
             self.delay()
+            self.buffer.collect(i)
             u = self.unit_of[i]
             self.missing[u] -= 1
             if self.missing[u] == 0:
@@ -117,6 +120,8 @@ class OnReady(AfterBackward):
 
     def synchronize(self) -> None:
         for u in range(len(self.units)):  # in plan order: units whose tensors got no gradient
+            if not self.issued[u]:
+                self.buffer.collect_missing(self.units[u].params)
             self._issue_one(u)
         for h in self.handles:
             h.wait()

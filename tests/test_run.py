@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -132,3 +133,22 @@ def test_microbench_fits_alpha_and_beta_locally(results_dir) -> None:
     assert "allreduce: alpha=" in out.stdout and "p2p: alpha=" in out.stdout
     files = list((results_dir / "microbench").glob("*.parquet"))
     assert len(files) == 1
+
+
+def test_methodbench_times_the_plain_loop_and_a_method_and_writes_ratios(results_dir) -> None:
+    out = run_module("harness.methodbench", "--models", "bert_tiny", "--methods", "bsp_a2a",
+                     "--workers", "1", "--rounds", "1", "--warmup-iters", "1",
+                     "--timed-iters", "2", "--results-dir", str(results_dir))
+    assert out.returncode == 0, out.stderr
+    frame = results.load(results_dir)
+    assert sorted(frame.method) == ["bsp_a2a", "plain"]
+    assert (frame.status == "ok").all() and (frame.throughput > 0).all()
+    plain = frame[frame.method == "plain"].iloc[0]
+    assert plain.world_size == 1 and len(plain.iter_times_s) == 2
+    assert sum(plain.iter_times_s) == pytest.approx(plain.timed_s)
+    [folder] = results_dir.iterdir()
+    assert [p.name for p in folder.iterdir() if p.is_dir()] == ["round1"]
+    ratio = json.loads((folder / "ratios.json").read_text())["bert_tiny"]["bsp_a2a/plain@1w"]
+    bsp = frame[frame.method == "bsp_a2a"].throughput.iloc[0]
+    assert ratio["rounds"] == [pytest.approx(bsp / plain.throughput)]
+    assert ratio["median"] == ratio["rounds"][0]
