@@ -9,7 +9,9 @@ optimizer step. Two clocks drive the same trace:
   compute), scaled so the whole iteration takes `local_batch / throughput` seconds: a
   named GPU calibrated by nothing but its 1-GPU throughput on that model. The
   optimizer step is inside that time, spread over the steps by their FLOPs.
-- `measured`: wall-clock time on this machine's device, the median of a few iterations.
+- `measured`: wall-clock time on this machine's device, the median of a few iterations;
+  `measured_together` times it in as many processes at once as a local run has
+  workers, so the slowdown of sharing this machine's cores is in the profile.
 
 Counting BERT-Large takes seconds, so counted traces are kept in
 `$XDG_CACHE_HOME/ddlbench/` (default ~/.cache/ddlbench/), keyed by the model's
@@ -154,9 +156,14 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def measured(model_cfg: DictConfig, *, iters: int, device: torch.device,
-             seed: int = 0) -> Compute:
-    """Steps timed on `device` (synchronized at each stamp), median of `iters` iterations."""
+def measured(model_cfg: DictConfig, *, iters: int, device: torch.device, seed: int = 0,
+             start: Callable[[], object] = lambda: None,
+             keep_busy: Callable[[], bool] = lambda: False) -> Compute:
+    """Steps timed on `device` (synchronized at each stamp), median of `iters` iterations.
+
+    `start` is called once the model is built, before the first iteration; after
+    the timed ones, iterations go on while `keep_busy()` (load for other profiles).
+    """
     model = models.build(model_cfg.family, model_cfg.build, seed=seed).to(device)
     optimizer = make_optimizer(model, model_cfg.optimizer)
     batch = models.move_batch(model.make_batch(model_cfg.local_batch_size,
@@ -167,7 +174,10 @@ def measured(model_cfg: DictConfig, *, iters: int, device: torch.device,
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    start()
     traces = [_trace(model, batch, clock, optimizer) for _ in range(2 + iters)][2:]
+    while keep_busy():
+        _trace(model, batch, clock, optimizer)
     order = [n for n, _ in traces[0][0]]
     # every stamp relative to its iteration's start, then the median per stamp
     rel = [([t - marks[0] for _, t in ends], [t - marks[0] for t in ready],
@@ -176,3 +186,56 @@ def measured(model_cfg: DictConfig, *, iters: int, device: torch.device,
                           for k in range(3))
     return _compute(model, list(zip(order, ends)), ready, marks, scale=1.0,
                     source=f"measured:{device.type}")
+
+
+def _profile_process(model_cfg: dict, iters: int, device: str, seed: int, threads: int,
+                     barrier, finished, out) -> None:
+    """One of `measured_together`'s processes: all start their iterations together, and
+    each goes on iterating until every one has finished its timed ones."""
+    from omegaconf import OmegaConf
+
+    torch.set_num_threads(threads)
+    counted = False
+
+    def keep_busy() -> bool:
+        nonlocal counted
+        if not counted:
+            counted = True
+            with finished.get_lock():
+                finished.value += 1
+        return finished.value < barrier.parties
+
+    out.put(measured(OmegaConf.create(model_cfg), iters=iters, device=torch.device(device),
+                     seed=seed, start=barrier.wait, keep_busy=keep_busy))
+
+
+def measured_together(model_cfg: DictConfig, *, processes: int, threads: int, iters: int,
+                      device: torch.device, seed: int = 0) -> Compute:
+    """`measured` in `processes` processes of `threads` threads running at once (the
+    workers of a run sharing this machine); each step's mean over the processes."""
+    import multiprocessing as mp
+
+    from omegaconf import OmegaConf
+
+    ctx = mp.get_context("spawn")
+    barrier, finished, out = ctx.Barrier(processes), ctx.Value("i", 0), ctx.Queue()
+    args = (OmegaConf.to_container(model_cfg, resolve=True), iters, str(device), seed, threads,
+            barrier, finished, out)
+    procs = [ctx.Process(target=_profile_process, args=args, daemon=True)
+             for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    try:
+        runs = [out.get(timeout=600) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    first = runs[0]
+    return Compute(first.sizes, [statistics.fmean(v) for v in zip(*(r.backward_s for r in runs))],
+                   first.layer_of,
+                   [(needs, statistics.fmean(v)) for (needs, _), *v in
+                    zip(first.forward, *([t for _, t in r.forward] for r in runs))],
+                   statistics.fmean(r.update_s for r in runs),
+                   f"{first.source} x{processes} processes")

@@ -9,8 +9,9 @@ A discrete-event model of training iterations, per configuration:
   scheduler's semantics: after backward, on ready, or a priority queue under a credit
   with per-layer updates that the next forward pass waits for;
 - the network: intra- and inter-node links (alpha + beta * bytes) from a real profile's
-  facts or from the microbenchmark; ring, tree or hierarchical all-reduce; S parameter
-  servers each behind its own link, with the partitions of methods.ps.
+  facts or from the microbenchmark; ring, tree or hierarchical all-reduce (on the study's
+  networks each starting on Horovod's negotiation cycle); S parameter servers each behind
+  its own link, with the partitions of methods.ps.
 
 Every configuration of the sweep becomes one result row with source=simulated (one
 shard per simulation), so `harness.report` draws simulated figures with the same code.
@@ -56,6 +57,7 @@ class Network:
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
     ps_local_reduce: bool  # PS: a node sums its workers' gradients before pushing (BytePS)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
+    cycle_s: float = 0.0   # all-reduces start on a framework cycle (Horovod's negotiation)
 
 
 def network(cfg: DictConfig) -> Network:
@@ -68,7 +70,7 @@ def network(cfg: DictConfig) -> Network:
         beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
         return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
                        net.get("allreduce", "ring"), bool(net.get("ps_local_reduce", False)),
-                       bool(net.get("ps_host_copy", False)))
+                       bool(net.get("ps_host_copy", False)), float(net.get("cycle_s", 0.0)))
     link = _microbench_link(cfg)
     return Network(net.name, link, link, "ring", False, False)
 
@@ -110,15 +112,23 @@ def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> floa
 # -- communication: resources with a queue ---------------------------------------------------
 
 class Collectives:
-    """All-reduces run one at a time, in issue order (one communication stream)."""
+    """All-reduces run one at a time, in issue order (one communication stream).
 
-    def __init__(self, seconds: Callable[[int], float]) -> None:
+    With a `cycle_s`, an all-reduce issued at t starts no earlier than the next
+    multiple of it: Horovod's background loop negotiates the tensors that became
+    ready once per cycle, then runs them.
+    """
+
+    def __init__(self, seconds: Callable[[int], float], cycle_s: float = 0.0) -> None:
         self.seconds = seconds
+        self.cycle_s = cycle_s
         self.free = 0.0
         self.busy = {"collective": 0.0}
 
     def issue(self, unit: int, nbytes: int, t: float) -> float:
         duration = self.seconds(nbytes)
+        if self.cycle_s:
+            t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
         self.free = max(t, self.free) + duration
         self.busy["collective"] += duration
         return self.free
@@ -252,7 +262,8 @@ def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Predicti
         comm = ParameterServers(net, [[((e - s) * ELEMENT_SIZE, next(owners)) for s, e in c]
                                       for c in cuts], nodes, per_node, servers)
     else:
-        comm = Collectives(collective)
+        # the study's all-reduce methods ran on Horovod; torch DDP has no negotiation cycle
+        comm = Collectives(collective, 0.0 if method.transport.name == "ddp" else net.cycle_s)
     kind = method.scheduler.name
     credit = _credit(method.scheduler) if kind == "priority" else 0
     ends = _iterate(compute, units, comm, kind=kind, credit=credit,
@@ -361,19 +372,22 @@ class ComputeProfiles:
                     model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute)
             return self.cache[key]
         threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
-        key = (config.to_json(model), threads)
+        # every worker of a local or emulated cluster runs on this machine: profile as many
+        # processes at once, so the profile has their sharing of its cores in it
+        together = num_workers(cfg) if cfg.cluster.name in ("local", "emulated") else 1
+        key = (config.to_json(model), threads, together)
         if key not in self.cache:
             import torch
 
             torch.set_num_threads(threads)
             device = torch.device(config.resolve_device(cfg.cluster))
-            self.cache[key] = profile.measured(model, iters=sim.profile_iters, device=device,
-                                               seed=cfg.run.seed)
-        if cfg.cluster.name not in ("local", "emulated"):
-            return self.cache[key]
-        # every worker of a local or emulated cluster runs on this machine: they share its cores
-        cores = len(os.sched_getaffinity(0))
-        return self.cache[key].scaled(max(1.0, num_workers(cfg) * threads / cores))
+            self.cache[key] = (
+                profile.measured_together(model, processes=together, threads=threads,
+                                          iters=sim.profile_iters, device=device,
+                                          seed=cfg.run.seed) if together > 1 else
+                profile.measured(model, iters=sim.profile_iters, device=device,
+                                 seed=cfg.run.seed))
+        return self.cache[key]
 
 
 def row(cfg: DictConfig, pred: Prediction, compute: profile.Compute, *, run_id: str) -> dict:

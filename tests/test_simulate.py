@@ -15,9 +15,10 @@ from tests.conftest import REFERENCE, run_module
 ALPHA, BETA = 1e-3, 1e-8  # s, s/byte: 100 MB/s links
 
 
-def net(*, allreduce: str = "ring", local_reduce: bool = False) -> simulate.Network:
+def net(*, allreduce: str = "ring", local_reduce: bool = False,
+        cycle_s: float = 0.0) -> simulate.Network:
     link = Cost(ALPHA, BETA)
-    return simulate.Network("test", link, link, allreduce, local_reduce, False)
+    return simulate.Network("test", link, link, allreduce, local_reduce, False, cycle_s)
 
 
 def compute(sizes: list[int], backward_s: list[float], *, forward_s: float = 0.1,
@@ -40,6 +41,19 @@ def test_bsp_one_tensor_is_compute_plus_one_allreduce() -> None:
         2 * ALPHA + BETA * nbytes)
     assert pred.iteration_s == pytest.approx(c.total_s + 2 * ALPHA + BETA * nbytes)
     assert pred.bottleneck == "exposed communication"
+
+
+def test_a_negotiation_cycle_delays_each_all_reduce_to_its_next_tick() -> None:
+    c = compute([1_000_000], [0.2])
+    two = cfg("bsp_a2a", "cluster.workers_per_node=2")
+    plain = simulate.predict(two, c, net()).iteration_s
+    # 0.31 s of compute and a 42 ms all-reduce; with 20 ms ticks backward ends at 0.672 s,
+    # 1.032 s, ...: each all-reduce waits 8 ms for the next tick, iterations take 0.36 s
+    assert plain == pytest.approx(0.352)
+    assert simulate.predict(two, c, net(cycle_s=0.02)).iteration_s == pytest.approx(0.36)
+    # torch DDP has no such cycle
+    ddp = simulate.predict(cfg("ddp", "cluster.workers_per_node=2"), c, net(cycle_s=0.02))
+    assert ddp.iteration_s == pytest.approx(c.total_s + 2 * ALPHA + BETA * 4_000_000)
 
 
 def test_wfbp_hides_what_the_remaining_backward_covers() -> None:
@@ -126,6 +140,9 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
     frame = results.load(res)
     assert len(frame) == 4 and set(frame.source) == {"simulated"}
     assert (frame.throughput > 0).all()
+    # two local workers share this machine: their compute is profiled in two processes at once
+    assert set(frame[frame.world_size == 2].device) == {"measured:cpu x2 processes"}
+    assert set(frame[frame.world_size == 1].device) == {"measured:cpu"}
     assert "bert_tiny on 1 node(s) x 2 worker(s), loopback:" in out.stdout
     plots = tmp_path / "plots"
     out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
@@ -149,4 +166,4 @@ def test_the_study_on_ib100_rdma(tmp_path) -> None:
     assert len(frame) == 87  # 84 configurations and the three 1-GPU baselines
     assert float(figures["median_abs_pct_error"]) <= 10.0  # the target
     # the rank agreement is below the 0.6 (see README); guard against regressions
-    assert float(figures["mean_kendall_tau"]) >= 0.35
+    assert float(figures["mean_kendall_tau"]) >= 0.42
