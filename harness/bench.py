@@ -48,6 +48,15 @@ def batch_generator(seed: int, rank: int, step: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
 
 
+def plain_training(model_cfg: DictConfig, *, seed: int, device: torch.device, rank: int = 0
+                   ) -> tuple[nn.Module, torch.optim.Optimizer, models.Batch]:
+    """A fresh model of `model_cfg` (weights from `seed`) on `device`, its optimizer, and
+    rank `rank`'s synthetic batch there: a training loop with no method."""
+    model = models.build(model_cfg.family, model_cfg.build, seed=seed).to(device)
+    batch = model.make_batch(model_cfg.local_batch_size, batch_generator(seed, rank))
+    return model, make_optimizer(model, model_cfg.optimizer), models.move_batch(batch, device)
+
+
 def device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -37,10 +37,9 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-import models
 from harness import config, results
 from harness import run as harness_run
-from harness.bench import batch_generator, device_name, identity, make_optimizer, timed_window
+from harness.bench import device_name, identity, plain_training, timed_window
 from harness.launch import Context, launch
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
@@ -67,11 +66,8 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     harness's own window (barrier, `timed_iters` iterations, device sync), so the
     ratio to it measures only what the harness and the method add.
     """
-    model = models.build(cfg.model.family, cfg.model.build, seed=cfg.run.seed).to(ctx.device)
-    optimizer = make_optimizer(model, cfg.model.optimizer)
-    batch = models.move_batch(model.make_batch(cfg.model.local_batch_size,
-                                               batch_generator(cfg.run.seed, ctx.rank)),
-                              ctx.device)
+    model, optimizer, batch = plain_training(cfg.model, seed=cfg.run.seed, device=ctx.device,
+                                             rank=ctx.rank)
 
     def step() -> list[float]:
         model(batch).backward()

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
-from harness.bench import batch_generator, make_optimizer
+from harness.bench import device_sync, plain_training
 from methods.base import backward_order
 from methods.layerwise import module_layers
 
@@ -164,14 +164,10 @@ def measured(model_cfg: DictConfig, *, iters: int, device: torch.device, seed: i
     `start` is called once the model is built, before the first iteration; after
     the timed ones, iterations go on while `keep_busy()` (load for other profiles).
     """
-    model = models.build(model_cfg.family, model_cfg.build, seed=seed).to(device)
-    optimizer = make_optimizer(model, model_cfg.optimizer)
-    batch = models.move_batch(model.make_batch(model_cfg.local_batch_size,
-                                               batch_generator(seed, 0)), device)
+    model, optimizer, batch = plain_training(model_cfg, seed=seed, device=device)
 
     def clock() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        device_sync(device)
         return time.perf_counter()
 
     start()
