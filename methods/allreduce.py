@@ -11,6 +11,16 @@ from methods.base import GradBuffer
 from methods.plan import Unit
 
 
+class _Pending:
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
 class _Done:
     """A single worker's average is its own gradient: nothing to move."""
 
@@ -42,12 +52,12 @@ class AllreduceTransport:
     def open(self, buffer: GradBuffer, units: list[Unit]) -> None:
         """Collectives need no set-up per plan."""
 
-    def start(self, chunk: torch.Tensor, *, key: int) -> dist.Work | _Done:
+    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending | _Done:
         # `key` names the chunk for transports that match messages by key (PS);
         # collectives are matched by issue order, which the scheduler keeps equal.
         if self.size == 1:
             return _Done()
-        return dist.all_reduce(chunk, group=self.group, async_op=True)  # a Work: wait() is all
+        return _Pending(dist.all_reduce(chunk, group=self.group, async_op=True))
 
     def close(self) -> None:
         pass
