@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test lint bench report clean
+.PHONY: run test faults soak lint bench report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+faults: $(STAMP)  # every fault of tests/test_faults.py with every kind of method (~15 min)
+	$(PY) -m pytest -m faults tests/test_faults.py $(PYTEST_ARGS)
+
+soak: $(STAMP)  # 200 local, 56 emulated and 50 verify runs in a row, all must succeed (~1 h)
+	$(PY) -m tests.soak --local 200 --emulated 50 --verify 50
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

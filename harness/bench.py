@@ -9,7 +9,6 @@ Throughput is global samples over the slowest rank's window.
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import json
 import os
 import platform
@@ -29,7 +28,8 @@ import methods
 import models
 from harness import results
 from harness.config import to_json
-from harness.launch import Context, num_servers, num_workers
+from harness.launch import Context
+from harness.ranks import num_servers, num_workers
 
 PHASES = ("forward_s", "backward_s", "comm_s", "update_s")
 REPO = Path(__file__).resolve().parent.parent
@@ -127,16 +127,20 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         return
     info = models.describe(cfg.model.family, cfg.model.build) if ctx.rank == 0 else {}
     hosts = _gather(socket.gethostname(), ctx)
-    iteration = itertools.count()
+    done = 0  # iterations over all repeats (run.fault.at_iter counts these)
     for repeat in range(cfg.run.repeats):
-        ctx.repeat = repeat
+        ctx.repeat, first = repeat, done
+        ctx.beat("building the model and method")
         model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed + repeat)
         batch = models.move_batch(
             model_of(model).make_batch(cfg.model.local_batch_size,
                                        batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
 
         def step() -> list[float]:
-            inject_fault(cfg.run.fault, rank=ctx.rank, iteration=next(iteration))
+            nonlocal done
+            ctx.beat(f"iteration {done - first}")  # noqa: B023
+            inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
+            done += 1
             return train_iteration(model, method, optimizer, batch, ctx.device)  # noqa: B023
 
         for _ in range(cfg.run.warmup_iters):
@@ -145,9 +149,11 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         window, iter_times, phases = timed_window(step, iters=cfg.run.timed_iters,
                                                   drain=method.drain, device=ctx.device,
                                                   group=ctx.worker_group)
+        ctx.beat("gathering the timings")
         per_rank = _gather((window, iter_times, phases), ctx)
         method.close()
         if ctx.rank == 0:
+            ctx.beat("writing the shard")
             row = _row(cfg, ctx, repeat=repeat, per_rank=per_rank, hosts=hosts,
                        plan=method.plan(), info=info)
             path = results.shard_path(cfg.results_dir, ctx.run_id, repeat)
@@ -163,8 +169,11 @@ def serve_until_done(cfg: DictConfig, ctx: Context) -> None:
 
     run.fault on a server rank counts the aggregation rounds of its first key.
     """
-    methods.serve(num_workers=ctx.num_workers,
-                  on_round=lambda i: inject_fault(cfg.run.fault, rank=ctx.rank, iteration=i))
+    def on_round(i: int) -> None:
+        ctx.beat(f"serving round {i}")
+        inject_fault(cfg.run.fault, rank=ctx.rank, iteration=i)
+
+    methods.serve(num_workers=ctx.num_workers, on_round=on_round)
 
 
 def model_of(model: nn.Module) -> nn.Module:
@@ -226,12 +235,8 @@ def git_commit() -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: str) -> None:
-    """Write a failed row for `repeat` (default: the first repeat without a shard)."""
-    if repeat is None:
-        repeat = 0
-        while results.shard_path(cfg.results_dir, run_id, repeat).exists():
-            repeat += 1
+def record_failure(cfg: DictConfig, *, run_id: str, repeat: int, error: str) -> None:
+    """Write the failed row of `repeat` (harness.failure.record decides which repeat)."""
     row = {**identity(cfg, run_id=run_id, repeat=repeat), "status": "failed", "error": error}
     results.write_shard(results.shard_path(cfg.results_dir, run_id, repeat), [row])
 

@@ -10,124 +10,31 @@ message naming the bad value and the fix; entry points print it and exit 2.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import inspect
 import itertools
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from harness import checks
+from harness.schema import (  # noqa: F401 - ConfigError & co. are used as config.X too
+    GROUPS,
+    OPTIMIZERS,
+    BenchConf,
+    ConfigError,
+    is_real_network,
+    resolve_backend,
+    resolve_device,
+)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("model", "method", "cluster", "network", "experiment")
-OPTIMIZERS = ("sgd", "adamw")
-
-
-class ConfigError(ValueError):
-    """Bad user input, reported as one line before anything starts."""
-
-
-@dataclass
-class OptimizerConf:
-    name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-
-
-@dataclass
-class ModelConf:
-    name: str = "???"
-    family: str = "???"
-    local_batch_size: int = 1
-    build: dict[str, Any] = field(default_factory=dict)
-    optimizer: OptimizerConf = field(default_factory=OptimizerConf)
-
-
-@dataclass
-class MethodConf:
-    name: str = "???"
-    transport: dict[str, Any] = field(default_factory=dict)
-    planner: dict[str, Any] = field(default_factory=dict)
-    scheduler: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class ClusterConf:
-    name: str = "local"
-    nodes: int = 1
-    workers_per_node: int = 1
-    servers: int | None = None
-    device: str = "auto"
-    backend: str = "auto"
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    slurm: dict[str, Any] = field(default_factory=dict)  # submission settings (harness.submit)
-
-
-@dataclass
-class FaultConf:
-    """Fault injection, to test failure handling: rank `rank` fails at iteration `at_iter`."""
-
-    rank: int = -1        # -1: no fault
-    at_iter: int = 0      # counted over warm-up and timed iterations of all repeats
-    kind: str = "raise"   # raise | exit (the process dies) | hang (sleeps forever)
-
-
-@dataclass
-class RunConf:
-    warmup_iters: int = 10
-    timed_iters: int = 100
-    repeats: int = 5
-    seed: int = 0
-    timeout_s: float = 300.0
-    threads: int = 0
-    fault: FaultConf = field(default_factory=FaultConf)
-
-
-@dataclass
-class VerifyConf:
-    steps: int = 3
-    atol: float = 1e-5
-    rtol: float = 1.3e-6
-
-
-@dataclass
-class MicrobenchConf:
-    min_bytes: int = 1024
-    max_bytes: int = 16 * 1024 * 1024
-    repeats: int = 5
-
-
-@dataclass
-class SimulateConf:
-    compute: str = "measured"   # measured (profile this machine) | a GPU named in `gpus`
-    gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}
-    profile_iters: int = 5
-    iterations: int = 6
-    reference: str | None = None
-    advise: bool = False
-
-
-@dataclass
-class BenchConf:
-    model: ModelConf = field(default_factory=ModelConf)
-    method: MethodConf = field(default_factory=MethodConf)
-    cluster: ClusterConf = field(default_factory=ClusterConf)
-    network: dict[str, Any] = field(default_factory=lambda: {"name": "loopback"})
-    run: RunConf = field(default_factory=RunConf)
-    verify: VerifyConf = field(default_factory=VerifyConf)
-    microbench: MicrobenchConf = field(default_factory=MicrobenchConf)
-    simulate: SimulateConf = field(default_factory=SimulateConf)
-    results_dir: str = "results"
-
-
 def choices(group: str) -> list[str]:
     """The names users can type for a config group: the file stems in conf/<group>/."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -152,9 +59,10 @@ def _check_choices(overrides: list[str]) -> None:
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
         for value in values:
             if value is not None and str(value) not in choices(key):
-                raise ConfigError(
-                    f"{key} {str(value)!r} is unknown; choose one of: {', '.join(choices(key))}"
-                )
+                close = difflib.get_close_matches(str(value), choices(key), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ConfigError(f"{key} {str(value)!r} is unknown; {hint}"
+                                  f"choose one of: {', '.join(choices(key))}")
 
 
 def compose_raw(overrides: list[str], *, hydra_node: bool = False) -> DictConfig:
@@ -171,9 +79,23 @@ def _compose(overrides: tuple[str, ...], hydra_node: bool) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return compose("bench", overrides=list(overrides), return_hydra_config=hydra_node)
     except Exception as exc:  # noqa: BLE001 - any compose error is bad input
+        key = getattr(exc.__cause__, "full_key", None)
+        if isinstance(exc.__cause__, (ConfigAttributeError, ConfigKeyError)) and key:
+            raise ConfigError(_unknown_key(key, overrides)) from None
         raise ConfigError(f"bad configuration {list(overrides)}: {_first_line(exc)}") from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _unknown_key(key: str, overrides: tuple[str, ...]) -> str:
+    """The message for an override of a key the config lacks, with the closest valid keys
+    of the config composed without it."""
+    rest = tuple(o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key)
+    try:
+        cfg = _compose(rest, False)
+    except ConfigError:
+        cfg = OmegaConf.structured(BenchConf)
+    return checks.unknown_key(key, cfg)
 
 
 def _values(override: str) -> list[str]:
@@ -258,7 +180,7 @@ def load_all(jobs: list[list[str]], *, simulate: bool = False) -> list[DictConfi
             cfg[o.key_or_group] = typed((*context, o.input_line))[o.key_or_group]
         for o in plain:
             if OmegaConf.select(cfg, o.key_or_group, default=_ABSENT) is _ABSENT:
-                compose_raw(job)  # Hydra's own error for a key the config lacks
+                    raise ConfigError(checks.unknown_key(o.key_or_group, cfg))
             _schema_errors(OmegaConf.update, cfg, o.key_or_group, o.value(), merge=False)
         validate(cfg, simulate=simulate)
         out.append(cfg)
@@ -294,6 +216,8 @@ def _schema_errors(func, *args, **kwargs):
     except Exception as exc:  # noqa: BLE001 - omegaconf type errors
         msg = _first_line(exc)
         key = getattr(exc, "full_key", None)
+        if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and key:
+            raise ConfigError(checks.unknown_key(key, OmegaConf.structured(BenchConf))) from None
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
 
 
@@ -325,27 +249,38 @@ def validate(cfg: DictConfig, *, simulate: bool = False) -> None:
     _one_of("cluster.backend", cfg.cluster.backend, ("auto", "gloo", "nccl"))
     _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
     _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
+    _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
     _check_model(cfg.model)
     _check_method(cfg.method)
     _check_servers(cfg.method, cfg.cluster)
-    if simulate:
+    checks.check_cluster(cfg)
+    checks.check_network(cfg.network)
+    checks.output_dir("results_dir", cfg.results_dir)
+    if simulate:  # only measured compute runs processes here (as many as the run has)
         _check_simulate(cfg)
+        checks.check_fit(cfg, local=cfg.simulate.compute == "measured" and checks.spawns_here(cfg))
         return
-    _check_devices(cfg.cluster)
-    _check_network(cfg)
+    checks.check_fit(cfg, local=checks.spawns_here(cfg))
+    checks.check_devices(cfg.cluster)
+    checks.check_links(cfg)
 
 
 def _check_model(model: DictConfig) -> None:
+    import methods
     import models
 
     if model.family not in models.FAMILIES:
         raise ConfigError(f"model.family={model.family!r} is unknown; "
                           f"choose one of: {', '.join(sorted(models.FAMILIES))}")
-    accepted = inspect.signature(models.family_class(model.family)).parameters
-    for key in model.build:
+    family = models.family_class(model.family)
+    accepted = inspect.signature(family).parameters
+    for key, value in model.build.items():
         if key not in accepted:
             raise ConfigError(f"model.build.{key} is not an argument of the {model.family} "
                               f"family; it takes: {', '.join(accepted)}")
+        expected = methods.wrong_type(family, key, value)
+        if expected:
+            raise ConfigError(f"model.build.{key}={value!r} is invalid; it must be {expected}")
 
 
 def _check_method(method: DictConfig) -> None:
@@ -364,48 +299,6 @@ def _check_servers(method: DictConfig, cluster: DictConfig) -> None:
                           "set cluster.servers >= 1, or null for one per node")
 
 
-def _check_devices(cluster: DictConfig) -> None:
-    import torch
-
-    if cluster.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
-    if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":
-        raise ConfigError("cluster.backend=nccl needs GPUs; use cluster.backend=gloo on CPU")
-    gpus = torch.cuda.device_count()
-    if resolve_device(cluster) == "cuda" and cluster.workers_per_node > gpus:
-        raise ConfigError(f"cluster.workers_per_node={cluster.workers_per_node} exceeds the "
-                          f"{gpus} GPUs of this node; lower it or use cluster.device=cpu")
-
-
-def _check_network(cfg: DictConfig) -> None:
-    from harness import netem
-
-    if is_real_network(cfg.network):
-        raise ConfigError(f"network={cfg.network.name} is a real network, for "
-                          "`python -m harness.simulate` only; runs here use network=loopback "
-                          "or a rate-limited profile with cluster=emulated")
-    rate = cfg.network.get("rate_mbit")
-    if rate is not None:
-        _positive("network.rate_mbit", rate)
-        if cfg.cluster.name != "emulated":
-            raise ConfigError(f"network={cfg.network.name} limits links, which only an emulated "
-                              "cluster has; add cluster=emulated (or use network=loopback)")
-    if cfg.cluster.name == "emulated":
-        if os.geteuid() != 0:
-            raise ConfigError("cluster=emulated makes network namespaces and needs root; "
-                              "run as root or use cluster=local")
-        if netem.missing_tools():
-            raise ConfigError(f"cluster=emulated needs {' and '.join(netem.missing_tools())} "
-                              "on PATH; install iproute2 (apt-get install -y iproute2)")
-        if cfg.cluster.device != "cpu":
-            raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")
-
-
-def is_real_network(network: DictConfig) -> bool:
-    """Whether a network profile describes a real cluster's links (simulator input)."""
-    return "inter_node" in network
-
-
 def _check_simulate(cfg: DictConfig) -> None:
     sim = cfg.simulate
     for name in ("simulate.profile_iters", "simulate.iterations"):
@@ -422,21 +315,10 @@ def _check_simulate(cfg: DictConfig) -> None:
         raise ConfigError(f"simulate.gpus.{sim.compute} has no 1-GPU throughput of model "
                           f"{cfg.model.name!r}; add simulate.gpus.{sim.compute}."
                           f"{cfg.model.name}=<samples/s> or use simulate.compute=measured")
-
-
-def resolve_device(cluster: DictConfig) -> str:
-    """'cuda' or 'cpu' for cluster.device=auto|cuda|cpu on this machine."""
-    import torch
-
-    if cluster.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cluster.device
-
-
-def resolve_backend(cluster: DictConfig) -> str:
-    if cluster.backend == "auto":
-        return "nccl" if resolve_device(cluster) == "cuda" else "gloo"
-    return cluster.backend
+    throughput = sim.gpus[sim.compute][cfg.model.name]
+    if isinstance(throughput, bool) or not isinstance(throughput, (int, float)) or throughput <= 0:
+        raise ConfigError(f"simulate.gpus.{sim.compute}.{cfg.model.name}={throughput!r} is "
+                          "invalid; it must be a number of samples/s > 0")
 
 
 def to_json(cfg: DictConfig) -> str:

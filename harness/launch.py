@@ -5,7 +5,13 @@ servers. Locally the harness starts every rank itself as
 `python -m harness.launch <entry> <config.json>` with an env:// rendezvous;
 under torchrun or srun the process already is one rank and runs the entry
 directly. An entry is a module with `worker(cfg, ctx)`, and optionally
-`record_failure(cfg, ctx, error)` to keep a failed run as data.
+`record_failure(cfg, run_id=..., repeat=..., error=...)` to keep a failed run as
+data (harness.failure decides which failure, and which repeat, gets the row).
+
+The local launcher watches its ranks: the first failure, a watchdog (no rank
+made progress for run.timeout_s plus a grace period) and SIGINT / SIGTERM to the
+launcher each stop every rank; the run's temporary folder and emulated network
+go with it.
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import netem
+from harness import failure, netem
 from harness.config import ConfigError, from_json, load, resolve_backend, resolve_device, to_json
+from harness.ranks import external_rank, host_of, num_servers, num_workers
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
+STALL_GRACE_S = 30.0  # beyond run.timeout_s: start-up, and a peer's own timeout first
+SETTLE_S = 3.0  # after a rank timed out on a peer: time for the others to say why
 
 
 @dataclass
@@ -59,49 +68,14 @@ class Context:
     def is_worker(self) -> bool:
         return self.rank < self.num_workers
 
-
-def num_servers(cfg: DictConfig) -> int:
-    """Parameter-server processes the run needs: only PS methods have any."""
-    if cfg.method.transport.name != "ps":
-        return 0
-    return cfg.cluster.nodes if cfg.cluster.servers is None else cfg.cluster.servers
-
-
-def num_workers(cfg: DictConfig) -> int:
-    return cfg.cluster.nodes * cfg.cluster.workers_per_node
+    def beat(self, where: str) -> None:
+        """Tell the local launcher's watchdog this rank is making progress, and where."""
+        failure.beat(self.run_dir, self.rank, self.repeat, where)
 
 
 def new_run_id(cfg: DictConfig) -> str:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{cfg.model.name}-{cfg.method.name}-w{num_workers(cfg)}-{uuid.uuid4().hex[:6]}"
-
-
-def external_rank() -> dict[str, int] | None:
-    """Rank and sizes when torchrun or srun started this process, else None."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
-                "local_rank": int(env.get("LOCAL_RANK", 0)),
-                "local_world_size": int(env.get("LOCAL_WORLD_SIZE", 1))}
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and "MASTER_ADDR" in env:
-        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
-                "local_rank": int(env.get("SLURM_LOCALID", 0)),
-                "local_world_size": _slurm_local_tasks(env)}
-    return None
-
-
-def _slurm_local_tasks(env: os._Environ | dict[str, str]) -> int:
-    """Tasks of this srun step on this node. SLURM_STEP_TASKS_PER_NODE ("4(x2),5", one
-    count per node of the step) is exact for every distribution, including arbitrary
-    placements where SLURM_NTASKS_PER_NODE is absent or wrong."""
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if not spec:
-        return int(env.get("SLURM_NTASKS_PER_NODE", 1))
-    counts: list[int] = []
-    for part in spec.split(","):
-        count, _, times = part.partition("(x")
-        counts += [int(count)] * int(times.rstrip(")") or 1)
-    return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
 
 
 def check_launcher(cfg: DictConfig) -> None:
@@ -152,13 +126,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def host_of(cfg: DictConfig, rank: int) -> int:
-    """The node a rank runs on: workers fill nodes in order, each server has a node of its own."""
-    workers = num_workers(cfg)
-    return rank // cfg.cluster.workers_per_node if rank < workers else cfg.cluster.nodes + (
-        rank - workers)
-
-
 def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int, run_id: str,
            master_addr: str, wrap: Callable[[list[str]], list[str]], extra_env: dict[str, str]
            ) -> subprocess.Popen:
@@ -173,65 +140,97 @@ def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int, run_
 
 def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
     run_id = new_run_id(cfg)
-    world = num_workers(cfg) + num_servers(cfg)
+    workers, world = num_workers(cfg), num_workers(cfg) + num_servers(cfg)
     port = cfg.cluster.master_port or _free_port()
-    with tempfile.TemporaryDirectory(prefix=f"ddlbench-{run_id}-") as tmp, \
+    with _signals_raise(), tempfile.TemporaryDirectory(prefix=f"ddlbench-{run_id}-") as tmp, \
             _network(cfg, hosts=cfg.cluster.nodes + num_servers(cfg)) as net:
-        cfg_path = Path(tmp) / "config.json"
+        run_dir = Path(tmp)
+        cfg_path = run_dir / "config.json"
         cfg_path.write_text(to_json(cfg))
-        procs = []
-        for rank in range(world):
-            host = host_of(cfg, rank)
-            procs.append(_spawn(
-                cfg_path, entry=entry, rank=rank, world=world, port=port, run_id=run_id,
-                master_addr=net.address(0) if net else cfg.cluster.master_addr,
-                wrap=(lambda argv, h=host: net.command(h, argv)) if net else list,
-                extra_env={"GLOO_SOCKET_IFNAME": netem.IFNAME} if net else {},
-            ))
-        code, error = _watch(procs)
-        if code != 0:
-            _record_failure(cfg, entry=entry, run_id=run_id, run_dir=Path(tmp), error=error)
-        return code, run_id
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world):
+                host = host_of(cfg, rank)
+                procs.append(_spawn(
+                    cfg_path, entry=entry, rank=rank, world=world, port=port, run_id=run_id,
+                    master_addr=net.address(0) if net else cfg.cluster.master_addr,
+                    wrap=(lambda argv, h=host: net.command(h, argv)) if net else list,
+                    extra_env={"GLOO_SOCKET_IFNAME": netem.IFNAME} if net else {},
+                ))
+            ending = _watch(procs, run_dir, idle_s=cfg.run.timeout_s + STALL_GRACE_S)
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by _signals_raise
+            code = 143 if isinstance(exc, Terminated) else 130
+            reason = ("the launcher got SIGTERM" if code == 143 else
+                      "the launcher was interrupted (SIGINT, Ctrl-C)")
+            ending = _stopped(procs, {}, code=code,
+                              reason=reason + failure.where(run_dir, 0))
+        if ending.code != 0:
+            error, repeat = failure.cause(run_dir, ending, workers=workers)
+            print(f"ddlbench: run {run_id} failed: {error}", file=sys.stderr)
+            failure.record(cfg, entry=entry, run_id=run_id, repeat=repeat, error=error)
+        return ending.code, run_id
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher: handled like Ctrl-C, exit code 143."""
 
 
 @contextlib.contextmanager
-def _network(cfg: DictConfig, *, hosts: int) -> Iterator[netem.EmulatedNetwork | None]:
-    """The run's emulated network (cluster=emulated), removed afterwards; else None.
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM raises Terminated meanwhile, so a killed launcher still stops its
+    ranks, records the failure and removes its temporary folder and namespaces."""
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
 
-    SIGTERM is turned into KeyboardInterrupt meanwhile, so a killed launcher
-    still stops its ranks and removes the namespaces.
-    """
-    if cfg.cluster.name != "emulated":
-        yield None
-        return
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        with netem.EmulatedNetwork(hosts=hosts, rate_mbit=cfg.network.get("rate_mbit")) as net:
-            yield net
+        yield
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+@contextlib.contextmanager
+def _network(cfg: DictConfig, *, hosts: int) -> Iterator[netem.EmulatedNetwork | None]:
+    """The run's emulated network (cluster=emulated), removed afterwards; else None."""
+    if cfg.cluster.name != "emulated":
+        yield None
+        return
+    with netem.EmulatedNetwork(hosts=hosts, rate_mbit=cfg.network.get("rate_mbit")) as net:
+        yield net
 
 
-def _watch(procs: list[subprocess.Popen]) -> tuple[int, str]:
-    """Wait for every process; on the first failure (or Ctrl-C) stop them all."""
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                _stop(procs)
-                rank, code = failed[0]
-                return code if code > 0 else 1, f"rank {rank} exited with code {code}"
-            if all(c == 0 for c in codes):
-                return 0, ""
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130, "interrupted by the user (Ctrl-C)"
+def _watch(procs: list[subprocess.Popen], run_dir: Path, *, idle_s: float) -> failure.Ending:
+    """Wait for every process. Stop them all on the first failure (after a short
+    settling time when it is a peer's symptom, so the rank that caused it can say
+    so), or when no rank has made progress for `idle_s`."""
+    exits: dict[int, int] = {}
+    started = time.time()
+    settle_until = None
+    while True:
+        for rank, p in enumerate(procs):
+            if rank not in exits and (code := p.poll()) is not None:
+                exits[rank] = code
+        failed = {r: c for r, c in exits.items() if c != 0}
+        if not failed and len(exits) == len(procs):
+            return failure.Ending(0, exits)
+        if failed:
+            if settle_until is None:
+                settle_until = time.monotonic() + (
+                    SETTLE_S if failure.symptoms_only(run_dir, list(failed)) else 0)
+            if time.monotonic() >= settle_until or len(exits) == len(procs):
+                code = next(iter(failed.values()))
+                return _stopped(procs, exits, code=code if code > 0 else 1)
+        elif time.time() - failure.last_progress(run_dir, since=started) > idle_s:
+            return _stopped(procs, exits, code=1, reason=failure.stalled(
+                run_dir, idle_s=idle_s, ranks=len(procs)))
+        time.sleep(POLL_S)
+
+
+def _stopped(procs: list[subprocess.Popen], exits: dict[int, int], *, code: int,
+             reason: str = "") -> failure.Ending:
+    alive = [r for r, p in enumerate(procs) if r not in exits and p.poll() is None]
+    _stop(procs)
+    return failure.Ending(code, dict(exits), alive, reason)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -248,18 +247,6 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             time.sleep(POLL_S)
 
 
-def _record_failure(cfg: DictConfig, *, entry: str, run_id: str, run_dir: Path,
-                    error: str) -> None:
-    """Report the failure; keep it as data unless a rank that failed already did."""
-    errors = sorted(run_dir.glob("error.rank*.txt"))
-    if errors:  # the rank recorded its own failure, with the repeat it was in
-        error = errors[0].read_text().strip()
-    print(f"ddlbench: run {run_id} failed: {error}", file=sys.stderr)
-    module = importlib.import_module(entry)
-    if not errors and hasattr(module, "record_failure"):
-        module.record_failure(cfg, run_id=run_id, repeat=None, error=error)
-
-
 def torch_threads(cfg: DictConfig, local_world_size: int) -> int:
     if cfg.run.threads:
         return cfg.run.threads
@@ -271,6 +258,7 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
               rank: int, world_size: int, local_rank: int, local_world_size: int
               ) -> tuple[int, str | None]:
     """Be one rank: rendezvous, run the entry's worker, report a failure as data."""
+    failure.beat(run_dir, rank, 0, "starting")
     module = importlib.import_module(entry)
     device_type = resolve_device(cfg.cluster)
     backend = resolve_backend(cfg.cluster)
@@ -281,6 +269,7 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
     torch.set_num_threads(torch_threads(cfg, local_world_size))
     ctx = None
     try:
+        failure.beat(run_dir, rank, 0, "joining the process group")
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=dt.timedelta(seconds=cfg.run.timeout_s))
         run_id = run_id or _agree_run_id(cfg)
@@ -291,32 +280,54 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
                       device=device, backend=backend)
         if ctx.num_servers:
             ctx.worker_group = dist.new_group(list(range(workers)))
-        module.worker(cfg, ctx)
+        code = 0
+        try:
+            module.worker(cfg, ctx)
+        except SystemExit as exc:  # a worker's own verdict (e.g. verify's tolerance check)
+            code = int(exc.code or 0)
+        ctx.beat("leaving the process group")
+        dist.barrier()  # every rank is done with every collective: nobody tears down early
         dist.destroy_process_group()
-        return 0, run_id
-    except SystemExit as exc:  # a worker's own verdict (e.g. verify's tolerance check)
-        return int(exc.code or 0), run_id
+        return code, run_id
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal
-        _report_rank_failure(cfg, module, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # peers may be stuck in a collective: do not wait for clean-up
+        _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
+        exit_now(1)  # peers may be stuck in a collective: do not wait for clean-up
+
+
+def exit_now(code: int) -> None:
+    """End a process that ran a rank, skipping the interpreter's finalization.
+
+    Results are written and the process group destroyed by now, but torch's C++
+    objects (Gloo's worker threads, DDP's reducer, groups still referenced by
+    torch._dynamo) would be destroyed during finalization in no fixed order, and a
+    still-joinable thread destroyed there aborts a correct run at exit
+    ("terminate called without an active exception", SIGABRT).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _agree_run_id(cfg: DictConfig) -> str:
-    box = [new_run_id(cfg)]
+    """Rank 0's run id for every rank (the array script's DDLBENCH_RUN_ID under srun)."""
+    box = [os.environ.get("DDLBENCH_RUN_ID") or new_run_id(cfg)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _report_rank_failure(cfg: DictConfig, module, ctx: Context | None, *, rank: int,
-                         run_id: str | None, run_dir: Path | None, exc: BaseException) -> None:
-    text = f"rank {rank}: {type(exc).__name__}: {exc}"
+def _rank_failed(cfg: DictConfig, entry: str, ctx: Context | None, *, rank: int,
+                 run_id: str | None, run_dir: Path | None, exc: BaseException) -> None:
+    """Say why this rank failed: to the local launcher, which names the run's cause;
+    else (srun, torchrun) as a failed row, unless it is a peer's symptom and the
+    array script (which sets DDLBENCH_RUN_ID) records srun's failure itself."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"rank {rank}: {type(exc).__name__}: {first}".rstrip(": ")
     print(f"ddlbench: {text}\n{traceback.format_exc()}", file=sys.stderr)
     if run_dir is not None:
-        (run_dir / f"error.rank{rank}.txt").write_text(text)
-    if hasattr(module, "record_failure") and run_id is not None:
-        module.record_failure(cfg, run_id=run_id, repeat=ctx.repeat if ctx else None, error=text)
+        failure.write_error(run_dir, rank, exc, text)
+    elif run_id is not None and not (failure.is_symptom(exc) and "DDLBENCH_RUN_ID" in os.environ):
+        failure.record(cfg, entry=entry, run_id=run_id, repeat=ctx.repeat if ctx else None,
+                       error=text)
 
 
 def main(argv: list[str]) -> int:
@@ -333,4 +344,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import difflib
 import json
 import statistics
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from harness import config, results
+from harness import checks, config, results
 from harness import run as harness_run
 from harness.bench import device_name, identity, plain_training, timed_window
 from harness.launch import Context, launch
@@ -45,9 +46,13 @@ from harness.launch import Context, launch
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, as every command
+        raise config.ConfigError(f"{message}; see python -m harness.methodbench --help")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m harness.methodbench",
-                                     description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m harness.methodbench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet50_small,bert_tiny")
     parser.add_argument("--methods", default=",".join(config.choices("method")))
     parser.add_argument("--workers", default="1,2")
@@ -55,7 +60,51 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup-iters", type=int, default=10)
     parser.add_argument("--timed-iters", type=int, default=20)
     parser.add_argument("--results-dir", default="results/methodbench")
+    parser.add_argument("--force", action="store_true",
+                        help="lift the machine-fit limits (run.force=true of every run)")
     return parser.parse_args(argv)
+
+
+def _names(flag: str, text: str, known: list[str]) -> list[str]:
+    names = text.split(",")
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise config.ConfigError(f"{flag} {name!r} is unknown; {hint}choose among: "
+                                     f"{', '.join(known)}")
+    return names
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
+    """(models, methods, worker counts) of valid arguments; every run they make is
+    validated (machine fit included) before the first starts. ConfigError otherwise."""
+    model_names = _names("--models", args.models, config.choices("model"))
+    method_names = _names("--methods", args.methods, config.choices("method"))
+    counts = args.workers.split(",")
+    if not all(c.isdigit() and int(c) > 0 for c in counts):
+        raise config.ConfigError(f"--workers {args.workers} is invalid; give worker counts > 0, "
+                                 "e.g. --workers 1,2")
+    for flag, value, low in (("--rounds", args.rounds, 1), ("--warmup-iters", args.warmup_iters, 0),
+                             ("--timed-iters", args.timed_iters, 1)):
+        if value < low:
+            raise config.ConfigError(f"{flag} {value} is invalid; it must be >= {low}")
+    checks.output_dir("--results-dir", args.results_dir)
+    try:
+        config.load_all([[f"model={m}", f"method={x}", f"cluster.workers_per_node={w}",
+                          *_run_overrides(args, Path(args.results_dir))]
+                         for m in model_names for x in method_names for w in counts])
+    except config.ConfigError as exc:
+        raise config.ConfigError(str(exc).replace(checks.FORCE, "add --force to run it anyway")
+                                 ) from None
+    return model_names, method_names, [int(c) for c in counts]
+
+
+def _run_overrides(args: argparse.Namespace, out: Path) -> list[str]:
+    """What every run of the benchmark (a method or the plain loop) is given."""
+    return ["run.repeats=1", f"run.warmup_iters={args.warmup_iters}",
+            f"run.timed_iters={args.timed_iters}", f"results_dir={out}",
+            *(["run.force=true"] if args.force else [])]
 
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
@@ -97,9 +146,7 @@ def record_plain(cfg: DictConfig, *, window: float, iter_times: list[float],
 
 def run_plain(model_name: str, *, out: Path, args: argparse.Namespace) -> int:
     """The plain loop of `model_name` in a process of its own; its exit code."""
-    cfg = config.load([f"model={model_name}", "run.repeats=1",
-                       f"run.warmup_iters={args.warmup_iters}",
-                       f"run.timed_iters={args.timed_iters}", f"results_dir={out}"])
+    cfg = config.load([f"model={model_name}", *_run_overrides(args, out)])
     code, _ = launch(cfg, entry="harness.methodbench")
     return code
 
@@ -107,11 +154,8 @@ def run_plain(model_name: str, *, out: Path, args: argparse.Namespace) -> int:
 def run_method(model_name: str, method: str, workers: int, *, out: Path,
                args: argparse.Namespace) -> int:
     """One harness.run of one configuration, one repeat; its exit code."""
-    return harness_run.main([
-        f"model={model_name}", f"method={method}", f"cluster.workers_per_node={workers}",
-        "run.repeats=1", f"run.warmup_iters={args.warmup_iters}",
-        f"run.timed_iters={args.timed_iters}", f"results_dir={out}",
-    ])
+    return harness_run.main([f"model={model_name}", f"method={method}",
+                             f"cluster.workers_per_node={workers}", *_run_overrides(args, out)])
 
 
 def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
@@ -157,9 +201,12 @@ def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    model_names, method_names = args.models.split(","), args.methods.split(",")
-    worker_counts = [int(w) for w in args.workers.split(",")]
+    try:
+        args = parse_args(argv)
+        model_names, method_names, worker_counts = check_args(args)
+    except config.ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.results_dir) / f"{dt.datetime.now():%Y%m%d-%H%M%S}"
     failed = 0
     for rnd in range(args.rounds):
@@ -174,6 +221,8 @@ def main(argv: list[str]) -> int:
                     print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}", flush=True)
                     code = run_plain(model_name, out=folder, args=args) if name == "plain" \
                         else run_method(model_name, name, workers, out=folder, args=args)
+                    if code in harness_run.STOPPED:  # Ctrl-C or SIGTERM: stop the benchmark
+                        return code
                     failed += code != 0
     table = report([results.load(out / f"round{r + 1}") for r in range(args.rounds)],
                    workers=worker_counts)

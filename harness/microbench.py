@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness import results
-from harness.launch import Context, command
+from harness.launch import Context, command, exit_now
 from methods.costmodel import least_squares, time_allreduce
 
 FOLDER = results.OTHER_DATA
@@ -57,6 +57,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
     rows = []
     for nbytes in sizes(cfg):
+        ctx.beat(f"timing {nbytes} bytes")
         repeats = cfg.microbench.repeats
         if ctx.num_workers > 1:
             rows.append(("p2p", nbytes, time_p2p(nbytes, rank=ctx.rank, repeats=repeats)))
@@ -97,4 +98,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

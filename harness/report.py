@@ -17,7 +17,8 @@ Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [referen
   no results, the reference alone is drawn (the study's own figures).
 * Missing cells and failed runs get no bar; they are noted in the figure and listed in
   summary.md's "Missing" section.
-* User errors (no data, bad reference, unknown argument): one line on stderr, exit code 2.
+* User errors (no data, bad reference, unknown argument, an out_dir that cannot be written):
+  one line on stderr, exit code 2, nothing written.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from matplotlib.figure import Figure  # Figure objects render with Agg; no pyplo
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from harness import results
+from harness import checks, results
+from harness.config import ConfigError
 
 METHOD_ORDER = (
     "bsp_ps bsp_a2a wfbp_ps wfbp_a2a mgwfbp bytescheduler_ps bytescheduler_a2a ddp".split()
@@ -585,6 +587,7 @@ def _no_data(results_dir: str | Path, bad: list[tuple[Path, str]], n: int) -> Re
 
 def report(results_dir: str, out_dir: str, reference: str | None = None) -> None:
     """Load, aggregate and write every figure and table (see the module docstring)."""
+    checks.output_dir("out_dir", out_dir)
     published = reference_cells(read_reference(reference)) if reference else None
     start = time.perf_counter()
     frame, bad, n = load_results(results_dir)
@@ -594,8 +597,7 @@ def report(results_dir: str, out_dir: str, reference: str | None = None) -> None
         f"loaded {n} shards ({len(frame)} rows, {len(bad)} unreadable) from '{results_dir}' "
         f"in {time.perf_counter() - start:.1f}s"
     )
-    for path, error in bad:
-        _log(f"unreadable shard {path}: {error}")
+    results.warn(bad)
     if frame.empty:  # the reference alone: the study's own figures and numbers
         data, attempted, published = published, published, None
     else:
@@ -634,8 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         report(**parse_args(argv))
-    except ReportError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+    except (ReportError, ConfigError) as exc:
+        print(f"ddlbench: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -8,6 +8,7 @@ each other's rows.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -57,6 +58,9 @@ SCHEMA = pa.schema([
 assert SCHEMA.names == COLUMNS
 
 
+# A shard lacking any of these is no result shard (another table named *.parquet).
+REQUIRED = IDENTITY + ["throughput"] + STATUS
+
 OTHER_DATA = "microbench"  # a subfolder of results_dir with another schema (harness.microbench)
 
 
@@ -79,13 +83,13 @@ def write_shard(path: str | os.PathLike, rows: Sequence[dict]) -> bool:
     table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=SCHEMA)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    try:
+    try:  # a full disk leaves no partial file: neither a shard nor a temporary one
+        pq.write_table(table, tmp)
         os.link(tmp, path)  # atomic exclusive create: fails if a shard is already there
     except FileExistsError:
         return False
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return True
 
 
@@ -104,12 +108,18 @@ def load(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame
     """Merge shards (files or directories of them) into one DataFrame.
 
     Columnar: the shards are read as one pyarrow dataset, not row by row.
-    Unreadable shards raise; use `load_report` to collect them instead.
+    Unreadable shards are skipped with one warning line each on stderr; `load_report`
+    returns them instead.
     """
     frame, bad = load_report(paths)
-    if bad:
-        raise ValueError(f"unreadable shards: {bad}")
+    warn(bad)
     return frame
+
+
+def warn(bad: Iterable[tuple[Path, str]]) -> None:
+    """One line on stderr per unreadable shard, naming it."""
+    for path, error in bad:
+        print(f"ddlbench: warning: skipped unreadable shard {path}: {error}", file=sys.stderr)
 
 
 def _empty() -> pd.DataFrame:
@@ -119,21 +129,61 @@ def _empty() -> pd.DataFrame:
 def load_report(
     paths: str | os.PathLike | Iterable[str | os.PathLike],
 ) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
-    """Like `load`, but return (frame, [(path, error), ...]) for unreadable shards."""
-    files = shard_files(paths)
+    """Like `load`, but return (frame, [(path, error), ...]) for unreadable shards: files
+    that are no parquet, or lack a column of REQUIRED, or whose columns have other types."""
+    files, bad = [], []
+    for f in shard_files(paths):
+        problem = _not_a_shard(f)
+        if problem:
+            bad.append((f, problem))
+        else:
+            files.append(f)
     if not files:
-        return _empty(), []
+        return _empty(), bad
     try:  # the fast path: every shard in one columnar read
         table = ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
-        return table.to_pandas(), []
+        return table.to_pandas(), bad
     except Exception:  # noqa: BLE001 - some shard is bad: find which, keep the others
         pass
-    tables, bad = [], []
+    tables = []
     for f in files:
         try:
             tables.append(pq.read_table(f, schema=SCHEMA))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported, not fatal
-            bad.append((f, f"{type(exc).__name__}: {exc}"))
+            bad.append((f, _one_line(exc)))
     if not tables:
         return _empty(), bad
     return pa.concat_tables(tables).to_pandas(), bad
+
+
+def _not_a_shard(path: Path) -> str | None:
+    """Why `path` is no result shard (its footer alone tells), or None."""
+    try:
+        names = pq.read_schema(path).names
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported, not fatal
+        return _one_line(exc)
+    missing = [c for c in REQUIRED if c not in names]
+    return f"not a result shard: lacks columns {', '.join(missing)}" if missing else None
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def load_microbench(folder: str | os.PathLike) -> list[pd.DataFrame]:
+    """The tables of harness.microbench in `folder`, oldest first; unreadable ones are
+    skipped with a warning line each."""
+    frames, bad = [], []
+    for path in sorted(Path(folder).glob("*.parquet"), key=os.path.getmtime):
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported, not fatal
+            bad.append((path, _one_line(exc)))
+            continue
+        missing = {"network", "kind", "alpha_s", "beta_s_per_byte"} - set(frame.columns)
+        if missing:
+            bad.append((path, f"not a microbenchmark: lacks columns {', '.join(sorted(missing))}"))
+        else:
+            frames.append(frame)
+    warn(bad)
+    return frames

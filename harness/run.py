@@ -4,7 +4,9 @@
     python -m harness.run -m experiment=smoke
 
 Every job of a sweep is composed and validated before the first one starts; a
-bad value stops everything with a one-line error and exit code 2.
+bad value stops everything with a one-line error and exit code 2. A failed job
+leaves a failed row and the sweep goes on; Ctrl-C or SIGTERM stops the sweep
+(exit code 130 / 143).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import sys
 
 from harness import config
 from harness.bench import summarize
-from harness.launch import check_launcher, launch
+from harness.launch import check_launcher, exit_now, launch
+
+STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped launcher
 
 
 def main(argv: list[str]) -> int:
@@ -36,6 +40,10 @@ def main(argv: list[str]) -> int:
         code, run_id = launch(cfg, entry="harness.bench")
         if run_id is not None:
             print(summarize(cfg, run_id), flush=True)
+        if code in STOPPED:  # Ctrl-C or SIGTERM stops the sweep, not just this job
+            print(f"ddlbench: stopped by {STOPPED[code]} at job {i} of {len(jobs)}",
+                  file=sys.stderr)
+            return code
         failed += code != 0
     if len(jobs) > 1:
         print(f"{len(jobs) - failed} of {len(jobs)} jobs succeeded; results in "
@@ -44,4 +52,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        exit_now(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # between jobs; a running job is stopped by its launcher
+        print(f"ddlbench: stopped by {STOPPED[130]}", file=sys.stderr)
+        exit_now(130)

@@ -25,7 +25,6 @@ import heapq
 import itertools
 import json
 import math
-import os
 import statistics
 import sys
 import uuid
@@ -36,8 +35,9 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from harness import config, profile, results
-from harness.launch import num_servers, num_workers, torch_threads
+from harness import checks, config, profile, results
+from harness.launch import torch_threads
+from harness.ranks import num_servers, num_workers
 from methods import plan as plans
 from methods import ps
 from methods.costmodel import Cost, least_squares
@@ -78,8 +78,8 @@ def network(cfg: DictConfig) -> Network:
 def _microbench_link(cfg: DictConfig) -> Cost:
     """The point-to-point alpha/beta of the newest microbenchmark of this network."""
     folder = Path(cfg.results_dir) / results.OTHER_DATA
-    frames = [pd.read_parquet(p) for p in sorted(folder.glob("*.parquet"), key=os.path.getmtime)]
-    fits = [f for f in frames if (f.network == cfg.network.name).all() and (f.kind == "p2p").any()]
+    fits = [f for f in results.load_microbench(folder)
+            if (f.network == cfg.network.name).all() and (f.kind == "p2p").any()]
     if not fits:
         where = "cluster=emulated " if cfg.network.get("rate_mbit") else ""
         raise config.ConfigError(
@@ -429,19 +429,25 @@ def measured_reference(reference: str) -> pd.DataFrame:
             .rename(columns={"world_size": "gpus", "throughput": "throughput_mean"}))
 
 
-def validate_against(frame: pd.DataFrame, reference: str) -> tuple[pd.DataFrame, str]:
-    """Predicted vs measured throughput on the reference's cells of the simulated network."""
-    ref = measured_reference(reference)
-    needed = {"model", "method", "network", "gpus", "throughput_mean"}
-    if needed - set(ref.columns):
-        raise config.ConfigError(f"simulate.reference={reference} lacks columns "
-                                 f"{sorted(needed - set(ref.columns))}")
-    ref = ref[ref.network.isin(frame.network.unique())]
+def read_reference(reference: str, cfgs: list[DictConfig]) -> pd.DataFrame:
+    """The reference's cells of the sweep `cfgs`, read and checked before anything is
+    simulated: ConfigError names the problem (missing, malformed, no cell of the sweep)."""
+    where = f"simulate.reference={reference}"
+    ref = checks.read_table(where, reference, read=measured_reference,
+                            columns=["model", "method", "network", "gpus", "throughput_mean"],
+                            numeric=["gpus", "throughput_mean"])
+    cells = {(c.model.name, c.method.name, c.network.name, num_workers(c)) for c in cfgs}
+    ref = ref[[cell in cells for cell in zip(ref.model, ref.method, ref.network, ref.gpus)]]
+    if ref.empty:
+        raise config.ConfigError(f"{where} has no cell of this sweep (network "
+                                 f"{', '.join(sorted({c.network.name for c in cfgs}))})")
+    return ref
+
+
+def validate_against(frame: pd.DataFrame, ref: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Predicted vs measured throughput on the reference's cells (`read_reference`)."""
     both = frame.merge(ref, left_on=["model", "method", "network", "world_size"],
                        right_on=["model", "method", "network", "gpus"])
-    if both.empty:
-        raise config.ConfigError(f"simulate.reference={reference} has no cell of this sweep "
-                                 f"(network {', '.join(frame.network.unique())})")
     both["pct_error"] = 100 * (both.throughput - both.throughput_mean) / both.throughput_mean
     taus = [kendall_tau(list(g.throughput), list(g.throughput_mean))
             for _, g in both.groupby(["model", "world_size"]) if len(g) > 1]
@@ -465,12 +471,14 @@ def advice(frame: pd.DataFrame) -> str:
 
 def simulate(cfgs: list[DictConfig]) -> pd.DataFrame:
     """Predict every configuration; print a line each; write one shard; return the rows."""
-    profiles, networks = ComputeProfiles(), {}
-    run_id = f"sim-{uuid.uuid4().hex[:8]}"
-    rows = []
+    networks: dict[str, Network] = {}
+    for cfg in cfgs:  # first, so a missing microbenchmark stops it before any profiling
+        if cfg.network.name not in networks:
+            networks[cfg.network.name] = network(cfg)
+    profiles, run_id, rows = ComputeProfiles(), f"sim-{uuid.uuid4().hex[:8]}", []
     for i, cfg in enumerate(cfgs, 1):
         compute = profiles(cfg)
-        net = networks.setdefault(cfg.network.name, network(cfg))
+        net = networks[cfg.network.name]
         pred = predict(cfg, compute, net)
         rows.append({**row(cfg, pred, compute, run_id=run_id), "speedup": pred.speedup,
                      "bottleneck": pred.bottleneck})
@@ -488,12 +496,13 @@ def main(argv: list[str]) -> int:
     try:
         jobs = config.sweep(argv)
         cfgs = config.load_all(jobs, simulate=True)
-        frame = simulate(cfgs)
         sim = cfgs[0].simulate
+        ref = read_reference(sim.reference, cfgs) if sim.reference else None
+        frame = simulate(cfgs)
         if sim.advise:
             print(advice(frame))
-        if sim.reference:
-            _, line = validate_against(frame, sim.reference)
+        if ref is not None:
+            _, line = validate_against(frame, ref)
             print(line)
     except config.ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)

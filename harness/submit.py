@@ -19,6 +19,7 @@ and nothing is submitted.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import shlex
 import shutil
 import subprocess
@@ -28,8 +29,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness import config, results
-from harness.launch import num_servers, num_workers
+from harness import checks, config, results
+from harness.ranks import num_servers, num_workers
 
 REPO = Path(__file__).resolve().parent.parent
 SUBMIT_KEYS = ("dry_run",)
@@ -69,6 +70,11 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     for key, value in own.items():
         if value.lower() not in ("true", "false"):
             raise config.ConfigError(f"{key}={value!r} is invalid; use {key}=true or false")
+    for arg in rest:  # a misspelled option of submit's own (dryrun=true)
+        key = arg.split("=", 1)[0].lstrip("+~")
+        close = difflib.get_close_matches(key, SUBMIT_KEYS, n=1, cutoff=0.8)
+        if close:
+            raise config.ConfigError(f"{key} is not an option; did you mean {close[0]}=true?")
     if not any(a.split("=", 1)[0].lstrip("+") == "cluster" for a in rest):
         rest = ["cluster=slurm", *rest]
     return rest, own
@@ -146,6 +152,7 @@ def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
     if not (REPO / slurm.template).is_file():
         raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} does not exist; "
                                  "give a path relative to the repository")
+    checks.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir)  # task lists, scripts, logs
 
 
 def group(tasks: list[Task]) -> dict[Shape, list[Task]]:

@@ -12,6 +12,7 @@ within verify.atol/rtol and are identical on every rank, 1 otherwise.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch import nn
 import methods
 import models
 from harness.bench import batch_generator, build, make_optimizer, model_of, serve_until_done
-from harness.launch import Context, command
+from harness.launch import Context, command, exit_now
 
 
 def dropout_seed(seed: int, step: int, rank: int) -> int:
@@ -33,11 +34,13 @@ def local_batch(model: nn.Module, cfg: DictConfig, rank: int, step: int) -> mode
                                       batch_generator(cfg.run.seed, rank, step))
 
 
-def reference(cfg: DictConfig, *, workers: int, device: torch.device) -> nn.Module:
+def reference(cfg: DictConfig, *, workers: int, device: torch.device,
+              beat: Callable[[str], None] = lambda where: None) -> nn.Module:
     """The single-process run the method must equal: N local batches, averaged gradients."""
     model = models.build(cfg.model.family, cfg.model.build, seed=cfg.run.seed).to(device)
     optimizer = make_optimizer(model, cfg.model.optimizer)
     for step in range(cfg.verify.steps):
+        beat(f"reference step {step}")
         optimizer.zero_grad(set_to_none=False)
         for rank in range(workers):
             torch.manual_seed(dropout_seed(cfg.run.seed, step, rank))
@@ -61,6 +64,7 @@ def train(cfg: DictConfig, ctx: Context) -> tuple[torch.Tensor, float, dict]:
     """
     model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
     for step in range(cfg.verify.steps):
+        ctx.beat(f"step {step}")
         batch = models.move_batch(local_batch(model, cfg, ctx.rank, step), ctx.device)
         torch.manual_seed(dropout_seed(cfg.run.seed, step, ctx.rank))
         model(batch).backward()
@@ -88,7 +92,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         methods.stop_servers(num_workers=ctx.num_workers)
     if ctx.rank != 0:
         return
-    ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device))
+    ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device, beat=ctx.beat))
     diff = (mine - ref).abs().max().item()
     close = torch.allclose(mine, ref, atol=cfg.verify.atol, rtol=cfg.verify.rtol)
     print(f"max_abs_diff={diff:.3e} max_rank_diff={rank_diff:.3e}", flush=True)
@@ -101,4 +105,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -8,7 +8,9 @@ Parameter servers run `serve`; workers call `stop_servers` when they are done.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,9 +27,12 @@ from methods.server import serve
 
 TRANSPORTS = {"allreduce": AllreduceTransport, "ps": PSTransport, "ddp": None}
 INJECTED = {"group", "timeout_s"}  # passed by build(), not by the YAML
+DDP_INJECTED = {"device_ids", "process_group"}
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
 
-__all__ = ["Method", "Engine", "build", "check", "serve", "stop_servers", "uses_servers"]
+__all__ = ["Method", "Engine", "build", "check", "serve", "stop_servers", "uses_servers",
+           "wrong_type"]
 
 
 def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -40,24 +45,55 @@ def uses_servers(method: Mapping[str, Any]) -> bool:
     return method["transport"]["name"] == "ps"
 
 
+def wrong_type(func: Callable, key: str, value: Any) -> str | None:
+    """What argument `key` of `func` must be (e.g. "an integer") when `value` is not that,
+    from its scalar type annotation; None when it fits or the annotation says nothing."""
+    try:
+        hint = typing.get_type_hints(func.__init__ if inspect.isclass(func) else func).get(key)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation checks nothing
+        return None
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if union else (hint,)
+    kinds = [t for t in options if t in TYPE_WORDS]
+    if len(kinds) != 1 or (value is None and type(None) in options):
+        return None
+    kind = kinds[0]
+    fits = isinstance(value, (int, float) if kind is float else kind) and not (
+        isinstance(value, bool) and kind is not bool)
+    return None if fits else TYPE_WORDS[kind]
+
+
+def _check_args(method: Mapping[str, Any], kind: str, func: Callable, name: str,
+                injected: set[str]) -> None:
+    """Every argument of `method[kind]` is one `func` takes, of its type."""
+    _, args = _split(method[kind])
+    accepted = set(inspect.signature(func).parameters) - injected
+    for key, value in args.items():
+        if key not in accepted:
+            raise ValueError(f"method {method['name']!r}: method.{kind}.{key} is not an "
+                             f"argument of {kind} {name!r}; it takes: "
+                             f"{', '.join(sorted(accepted)) or 'nothing'}")
+        expected = wrong_type(func, key, value)
+        if expected:
+            raise ValueError(f"method {method['name']!r}: method.{kind}.{key}={value!r} is "
+                             f"invalid; it must be {expected}")
+
+
 def check(method: Mapping[str, Any]) -> None:
     """Raise ValueError naming the bad piece or value if `method` does not compose."""
     if method["transport"]["name"] == "ddp":
+        _check_args(method, "planner", DDPMethod, "ddp", DDP_INJECTED)
+        _positive(method, "planner", "bucket_cap_mb")
         return
     for kind, registry in (("transport", TRANSPORTS), ("planner", PLANNERS),
                            ("scheduler", SCHEDULERS)):
-        name, args = _split(method[kind])
+        name, _ = _split(method[kind])
         if name not in registry or registry[name] is None:
             raise ValueError(
                 f"method {method['name']!r}: {kind} {name!r} is unknown; "
                 f"choose one of: {', '.join(sorted(k for k, v in registry.items() if v))}"
             )
-        accepted = set(inspect.signature(registry[name]).parameters) - INJECTED
-        for key in args:
-            if key not in accepted:
-                raise ValueError(f"method {method['name']!r}: method.{kind}.{key} is not an "
-                                 f"argument of {kind} {name!r}; it takes: "
-                                 f"{', '.join(sorted(accepted)) or 'nothing'}")
+        _check_args(method, kind, registry[name], name, INJECTED)
     _check_sizes(method)
 
 

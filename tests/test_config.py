@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from harness import config, run
+from harness import checks, config, run
 from tests.conftest import TINY, run_module
 
 
@@ -42,11 +42,13 @@ def test_sweep_jobs_load_as_if_composed_one_by_one() -> None:
 
 
 def test_every_experiment_expands_to_valid_jobs() -> None:
+    # valid where they are submitted; the paper's 32 workers do not fit this machine
+    # (test_smoke_sweep_order_is_baseline_first runs smoke's jobs here)
     for name in config.choices("experiment"):
         jobs = config.expand([f"experiment={name}"])
         assert jobs, name
         for job in jobs:
-            config.load(job)
+            config.load([*job, "cluster=slurm"])
 
 
 def test_smoke_sweep_order_is_baseline_first() -> None:
@@ -111,3 +113,45 @@ def test_bad_input_exits_2_without_traceback_as_a_command(tmp_path) -> None:
     assert not list(tmp_path.glob("*")), "nothing may start on bad input"
     out = run_module("harness.verify", "cluster.workers_per_node=0", timeout=120)
     assert out.returncode == 2 and "cluster.workers_per_node=0" in out.stderr
+
+
+def test_the_tests_largest_local_runs_fit_this_machine() -> None:
+    config.load(["method=bsp_ps", "cluster.workers_per_node=3", "cluster.servers=2"])
+    config.load(["cluster.workers_per_node=4"])
+
+
+def test_run_force_lifts_machine_fit_limits_only() -> None:
+    with pytest.raises(config.ConfigError, match="run.force=true"):
+        config.load(["cluster.workers_per_node=10000"])
+    cfg = config.load(["run.force=true", "cluster.workers_per_node=10000",
+                       "run.timed_iters=1000000000", f"run.threads={checks.cores() + 1}"])
+    assert cfg.run.force
+    with pytest.raises(config.ConfigError, match="0..65535"):
+        config.load(["run.force=true", "cluster.master_port=70000"])
+
+
+def test_machine_limits_apply_only_where_this_machine_runs_every_process(monkeypatch) -> None:
+    many = ["cluster.nodes=100", "cluster.workers_per_node=4"]
+    config.load(["cluster=slurm", *many])  # submitted: the nodes are elsewhere
+    config.load([*many, "model=resnet50", "network=ib100_rdma", "simulate.compute=rtx2080ti"],
+                simulate=True)  # predicted from the study's GPU: nothing runs here
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "400")
+    config.load(many)  # under torchrun: each process is one rank of a bigger cluster
+
+
+def test_unknown_keys_get_the_closest_valid_ones() -> None:
+    cfg = config.load([])
+    assert checks.unknown_key("run.timed_iter", cfg).endswith("did you mean run.timed_iters?")
+    assert "+network.rate_mbit=" in checks.unknown_key("network.rate_mbit", cfg)
+    assert "run has:" in checks.unknown_key("run.zzz", cfg)
+
+
+def test_output_dir_is_checked_without_being_made(tmp_path) -> None:
+    target = tmp_path / "a" / "b"
+    checks.output_dir("results_dir", target)
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "f").write_text("")
+    for bad in (tmp_path / "f", tmp_path / "f" / "x"):
+        with pytest.raises(config.ConfigError, match="is a file"):
+            checks.output_dir("results_dir", bad)

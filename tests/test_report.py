@@ -302,7 +302,7 @@ def test_malformed_reference_exits_2_with_one_line(tmp_path, content, problem):
     proc = run_cli(f"results_dir={tmp_path}", f"out_dir={tmp_path / 'o'}", f"reference={path}")
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("error: reference file") and problem in proc.stderr
+    assert proc.stderr.startswith("ddlbench: error: reference file") and problem in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -371,3 +371,21 @@ def test_two_thousand_shards_report_quickly(tmp_path):
     assert time.perf_counter() - start < 60
     best = pd.read_csv(tmp_path / "plots" / "best.csv")
     assert list(best["best_method"]) == ["bsp_ps"] * 4
+
+
+def test_a_parquet_of_other_columns_is_listed_as_unreadable(tmp_path, capsys):
+    src = write(tmp_path / "results", study_rows(repeats=1))
+    pd.DataFrame({"kind": ["p2p"], "seconds": [1.0]}).to_parquet(src / "other.parquet")
+    frame, bad, n = report.load_results(src)
+    assert [p.name for p, _ in bad] == ["other.parquet"] and frame["model"].notna().all()
+    out = tmp_path / "plots"
+    assert report.main([f"results_dir={src}", f"out_dir={out}"]) == 0
+    assert "ddlbench: warning: skipped unreadable shard" in capsys.readouterr().err
+    assert "other.parquet" in (out / "summary.md").read_text()
+
+
+def test_an_out_dir_that_is_a_file_exits_2_before_reading(tmp_path, capsys):
+    (tmp_path / "plots").write_text("a file")
+    assert report.main([f"results_dir={tmp_path}", f"out_dir={tmp_path / 'plots'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddlbench: error: out_dir=") and len(err.strip().splitlines()) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from harness import results
@@ -36,10 +37,32 @@ def test_unknown_columns_are_refused(tmp_path) -> None:
         results.write_shard(tmp_path / "s.parquet", [{"througput": 1.0}])
 
 
-def test_unreadable_shards_are_reported(tmp_path) -> None:
+def test_unreadable_shards_are_reported_and_skipped(tmp_path, capsys) -> None:
     results.write_shard(results.shard_path(tmp_path, "ok", 0), [_row("ok", 0, 1.0)])
     (tmp_path / "broken.parquet").write_text("not parquet")
+    pd.DataFrame({"kind": ["p2p"], "seconds": [1.0]}).to_parquet(tmp_path / "other.parquet")
     frame, bad = results.load_report(tmp_path)
-    assert len(frame) == 1 and [p.name for p, _ in bad] == ["broken.parquet"]
-    with pytest.raises(ValueError, match="broken.parquet"):
-        results.load(tmp_path)
+    assert len(frame) == 1 and [p.name for p, _ in bad] == ["broken.parquet", "other.parquet"]
+    assert "lacks columns run_id" in bad[1][1]
+    assert all("\n" not in error for _, error in bad)
+    capsys.readouterr()
+    assert results.load(tmp_path).run_id.tolist() == ["ok"]
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("ddlbench: warning: ") for w in warnings)
+    assert "broken.parquet" in warnings[0] and "other.parquet" in warnings[1]
+
+
+def test_a_shard_with_other_column_types_is_reported(tmp_path) -> None:
+    results.write_shard(results.shard_path(tmp_path, "ok", 0), [_row("ok", 0, 1.0)])
+    row = {c: [None] for c in results.COLUMNS} | {"world_size": ["two"], "run_id": ["x"]}
+    pd.DataFrame(row).to_parquet(tmp_path / "typed.parquet")
+    frame, bad = results.load_report(tmp_path)
+    assert frame.run_id.tolist() == ["ok"] and [p.name for p, _ in bad] == ["typed.parquet"]
+
+
+def test_microbenchmarks_skip_unreadable_tables(tmp_path, capsys) -> None:
+    pd.DataFrame({"network": ["loopback"], "kind": ["p2p"], "alpha_s": [1e-5],
+                  "beta_s_per_byte": [1e-9]}).to_parquet(tmp_path / "a.parquet")
+    (tmp_path / "b.parquet").write_text("junk")
+    assert len(results.load_microbench(tmp_path)) == 1
+    assert "b.parquet" in capsys.readouterr().err

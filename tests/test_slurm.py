@@ -78,6 +78,26 @@ def test_smoke_sweep_runs_as_arrays_and_resubmitting_reruns_nothing(slurm, tmp_p
 
 
 @pytest.mark.slurm
+def test_a_rank_that_dies_under_srun_leaves_a_failed_row(slurm, tmp_path) -> None:
+    # rank 1 dies by os._exit in the second repeat: it writes nothing, rank 0 only sees a
+    # symptom, srun fails, and the array script records the failure
+    res, jobs = tmp_path / "results", tmp_path / "jobs"
+    out = _submit(slurm, "model=bert_tiny", "method=bsp_a2a", "cluster.workers_per_node=2",
+                  *TINY, "run.repeats=2", "run.fault.rank=1", "run.fault.at_iter=4",
+                  "run.fault.kind=exit", f"results_dir={res}", f"cluster.slurm.jobs_dir={jobs}",
+                  f"cluster.slurm.partition={slurm.partition}")
+    assert out.returncode == 0, out.stderr
+    _wait_for_queue(slurm, ARRAY_TIMEOUT_S)
+    logs = "\n".join(p.read_text() for p in jobs.rglob("logs/*.out"))
+    frame = results.load(res).sort_values("repeat")
+    assert frame.status.tolist() == ["ok", "failed"], logs
+    assert frame.run_id.nunique() == 1 and "slurm" in frame.run_id.iloc[0]
+    error = frame.error.iloc[1]
+    assert error.startswith("srun exited with code"), error
+    assert "task 1: Exited with exit code 3" in error, error  # srun's line about rank 1
+
+
+@pytest.mark.slurm
 @pytest.mark.parametrize("override, words", [
     ("cluster.slurm.partition=nope", ["cluster.slurm.partition='nope' is unknown",
                                       "choose one of"]),

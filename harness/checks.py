@@ -1,0 +1,282 @@
+"""Checks of a composed config and of a command's inputs, before anything starts.
+
+Against this machine (processes, memory, threads), the file system (output folders are
+checked, never made), the key names (the closest valid ones), the types of free-form
+keys, and input tables (`read_table`). Each raises `ConfigError` with one line naming
+the value, the limit or the problem, and the fix. `config.validate` runs the config
+checks on every job; commands with output folders of their own (report's out_dir,
+submit's jobs_dir, methodbench's --results-dir) call `output_dir` before they start.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from harness.ranks import external_rank, num_servers, num_workers
+from harness.schema import GROUPS, BenchConf, ConfigError, is_real_network, resolve_device
+
+FORCE = "add run.force=true to run it anyway"
+# Sane bounds of counts and sizes (machine-fit limits: run.force=true lifts them).
+BOUNDS = {
+    "run.warmup_iters": 100_000, "run.timed_iters": 100_000, "run.repeats": 1_000,
+    "verify.steps": 100_000, "microbench.repeats": 1_000, "microbench.max_bytes": 1 << 30,
+    "simulate.profile_iters": 1_000, "simulate.iterations": 10_000,
+}
+PROCESS_MB = 300  # a floor per local process: Python, torch and Gloo, before any model
+MAX_EMULATED_HOSTS = 250  # one /24 subnet (harness.netem)
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+              dict: "a mapping", list: "a list"}
+# Keys of network profiles: the emulated link's rate, and the facts of a real network.
+NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node": dict,
+                "allreduce": str, "ps_local_reduce": bool, "ps_host_copy": bool,
+                "cycle_s": float}
+ALLREDUCE = ("ring", "tree", "hierarchical", "best")
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def max_processes() -> int:
+    """Local processes this machine takes: oversubscribed up to 4 per core, at least 8."""
+    return max(8, 4 * cores())
+
+
+def available_mb() -> float | None:
+    """MemAvailable of /proc/meminfo in MB; None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def processes(cfg: DictConfig) -> tuple[int, int]:
+    """(workers, parameter servers) of the run."""
+    return num_workers(cfg), num_servers(cfg)
+
+
+def spawns_here(cfg: DictConfig) -> bool:
+    """Whether the harness itself starts every process of the run on this machine."""
+    return cfg.cluster.name in ("local", "emulated") and external_rank() is None
+
+
+def check_cluster(cfg: DictConfig) -> None:
+    """Rules no override lifts: the port, the fault's rank, the emulated subnet."""
+    port = cfg.cluster.master_port
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"cluster.master_port={port} is invalid; use a port in 0..65535 "
+                          "(0 = pick a free one)")
+    workers, servers = processes(cfg)
+    rank, last = cfg.run.fault.rank, workers + servers - 1
+    if rank != -1 and not 0 <= rank <= last:
+        raise ConfigError(f"run.fault.rank={rank} is not a rank of this run (0..{last}: {workers} "
+                          f"workers, then {servers} servers); use one, or -1 for no fault")
+    hosts = cfg.cluster.nodes + servers
+    if cfg.cluster.name == "emulated" and hosts > MAX_EMULATED_HOSTS:
+        raise ConfigError(f"cluster=emulated with cluster.nodes={cfg.cluster.nodes} and {servers} "
+                          f"parameter servers needs {hosts} emulated hosts, more than the "
+                          f"{MAX_EMULATED_HOSTS} of one subnet; lower cluster.nodes")
+
+
+def check_fit(cfg: DictConfig, *, local: bool) -> None:
+    """Machine-fit limits, lifted by run.force=true: sane counts and sizes; with `local`
+    (this machine runs every process), threads, processes and memory."""
+    if cfg.run.force:
+        return
+    for name, limit in BOUNDS.items():
+        value = OmegaConf.select(cfg, name)
+        if value > limit:
+            raise ConfigError(f"{name}={value} is above the limit of {limit}; lower it, or {FORCE}")
+    if not local:
+        return
+    n = cores()
+    if cfg.run.threads > n:
+        raise ConfigError(f"run.threads={cfg.run.threads} is more than the {n} cores of this "
+                          f"machine; use run.threads=0 (auto) or at most {n}, or {FORCE}")
+    workers, servers = processes(cfg)
+    what = (f"{workers + servers} local processes (cluster.nodes={cfg.cluster.nodes} x "
+            f"cluster.workers_per_node={cfg.cluster.workers_per_node} workers + {servers} "
+            "parameter servers)")
+    fix = f"lower cluster.nodes, cluster.workers_per_node or cluster.servers, or {FORCE}"
+    if workers + servers > max_processes():
+        raise ConfigError(f"{what} are more than this machine takes: {max_processes()} = "
+                          f"max(8, 4 x {n} cores); {fix}")
+    need, have = (workers + servers) * PROCESS_MB, available_mb()
+    if have is not None and need > have:
+        raise ConfigError(f"{what} need about {need} MB ({PROCESS_MB} MB each) but this "
+                          f"machine has {have:.0f} MB available; {fix}")
+
+
+def check_devices(cluster: DictConfig) -> None:
+    """The devices and backend the cluster asks for exist on this machine."""
+    import torch
+
+    if cluster.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
+    if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":
+        raise ConfigError("cluster.backend=nccl needs GPUs; use cluster.backend=gloo on CPU")
+    gpus = torch.cuda.device_count()
+    if resolve_device(cluster) == "cuda" and cluster.workers_per_node > gpus:
+        raise ConfigError(f"cluster.workers_per_node={cluster.workers_per_node} exceeds the "
+                          f"{gpus} GPUs of this node; lower it or use cluster.device=cpu")
+
+
+def check_links(cfg: DictConfig) -> None:
+    """A run's network: loopback, or rate-limited links of an emulated cluster made here."""
+    from harness import netem
+
+    if is_real_network(cfg.network):
+        raise ConfigError(f"network={cfg.network.name} is a real network, for "
+                          "`python -m harness.simulate` only; runs here use network=loopback "
+                          "or a rate-limited profile with cluster=emulated")
+    rate = cfg.network.get("rate_mbit")
+    if rate is not None:
+        if rate <= 0:
+            raise ConfigError(f"network.rate_mbit={rate} is invalid; it must be > 0")
+        if cfg.cluster.name != "emulated":
+            raise ConfigError(f"network={cfg.network.name} limits links, which only an emulated "
+                              "cluster has; add cluster=emulated (or use network=loopback)")
+    if cfg.cluster.name == "emulated":
+        if os.geteuid() != 0:
+            raise ConfigError("cluster=emulated makes network namespaces and needs root; "
+                              "run as root or use cluster=local")
+        if netem.missing_tools():
+            raise ConfigError(f"cluster=emulated needs {' and '.join(netem.missing_tools())} "
+                              "on PATH; install iproute2 (apt-get install -y iproute2)")
+        if cfg.cluster.device != "cpu":
+            raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")
+
+
+def output_dir(key: str, path: str | os.PathLike) -> None:
+    """`path` can take output: a writable directory, or one the nearest existing ancestor
+    (a writable directory) can hold. Creates nothing."""
+    full = Path(os.path.abspath(path))
+    existing = next(p for p in (full, *full.parents) if os.path.exists(p))
+    if not existing.is_dir():
+        where = "is a file" if existing == full else f"cannot be made: {existing} is a file"
+        raise ConfigError(f"{key}={path} {where}; choose another {key}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path} is not writable ({existing} is read-only here); "
+                          f"choose another {key}")
+
+
+def is_a(value: Any, kind: type) -> bool:
+    """isinstance, where a bool is no number and an int is a float."""
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def check_network(network: DictConfig) -> None:
+    """Every key of the profile is known and typed; a real network's facts are numbers."""
+    net = OmegaConf.to_container(network, resolve=True)
+    for key, value in net.items():
+        if key not in NETWORK_KEYS:
+            raise ConfigError(f"network.{key} is not a key of a network profile; "
+                              f"{_did_you_mean(key, list(NETWORK_KEYS))}")
+        if not is_a(value, NETWORK_KEYS[key]):
+            raise ConfigError(f"network.{key}={value!r} is invalid; it must be "
+                              f"{TYPE_WORDS[NETWORK_KEYS[key]]}")
+    for path, value in _leaves({k: net[k] for k in ("inter_node", "intra_node") if k in net}):
+        if not is_a(value, float):
+            raise ConfigError(f"network.{path}={value!r} is invalid; it must be a number")
+    if net.get("allreduce", "ring") not in ALLREDUCE:
+        raise ConfigError(f"network.allreduce={net['allreduce']!r} is invalid; choose one of: "
+                          f"{', '.join(ALLREDUCE)}")
+
+
+def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{prefix}{k}.")]
+    if isinstance(tree, list):
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), tree)]
+
+
+def keys(cfg: DictConfig) -> list[str]:
+    """Every dotted key of `cfg` (not Hydra's own node)."""
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    found: list[str] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            found.append(prefix + str(k))
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+
+    walk(tree, "")
+    return found
+
+
+def _did_you_mean(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.8)
+    if close:
+        return f"did you mean {' or '.join(close)}?"
+    return f"valid: {', '.join(candidates[:15])}{', ...' if len(candidates) > 15 else ''}"
+
+
+def unknown_key(key: str, cfg: DictConfig) -> str:
+    """The message for `key=...` where `cfg` has no `key`: the closest valid keys (or the
+    parent's), and `+key=` where the parent takes free-form keys."""
+    candidates = list(dict.fromkeys([*GROUPS, *keys(cfg)]))
+    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.8)
+    parent = key.rpartition(".")[0]
+    node = OmegaConf.select(cfg, parent) if parent else None
+    if close:
+        hint = f"did you mean {' or '.join(close)}?"
+    elif isinstance(node, DictConfig):
+        hint = f"{parent} has: {', '.join(map(str, node.keys())) or 'nothing'}"
+    else:
+        hint = f"the configuration has: {', '.join(dict.fromkeys([*GROUPS, *cfg.keys()]))}"
+    if _free_form(parent):
+        hint += f"; add a new key with +{key}=<value>"
+    return f"{key} is not a configuration key; {hint}"
+
+
+def _free_form(parent: str) -> bool:
+    """Whether the schema lets `parent` hold any key (network, method.*, model.build, ...)."""
+    schema = OmegaConf.structured(BenchConf)
+    parts = parent.split(".") if parent else []
+    while parts:
+        node = OmegaConf.select(schema, ".".join(parts))
+        if node is not None:
+            return isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
+        parts.pop()
+    return False
+
+
+def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
+               columns: list[str], numeric: list[str]) -> pd.DataFrame:
+    """`read(path)`, a table with `columns` and rows whose `numeric` columns are numbers;
+    else ConfigError naming `where` and the problem."""
+    fix = f"give a CSV with columns {', '.join(columns)} or a folder of measured results"
+    try:
+        table = read(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist; {fix}") from None
+    except (OSError, ValueError) as exc:  # parser and decode errors are ValueErrors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{where} is unreadable ({first}); {fix}") from None
+    missing = [c for c in columns if c not in table.columns]
+    if missing or table.empty:
+        raise ConfigError(f"{where} {f'lacks columns {missing}' if missing else 'has no rows'}; "
+                          f"{fix}")
+    for col in numeric:
+        values = pd.to_numeric(table[col], errors="coerce")
+        bad = values.isna().to_numpy()
+        if bad.any():
+            raise ConfigError(f"{where}: column {col} has non-numeric value "
+                              f"{table[col][bad].iloc[0]!r} (row {bad.argmax() + 1}); fix it")
+        table[col] = values
+    return table

@@ -1,0 +1,234 @@
+"""Why a run failed, told once: each rank's last words, the first cause, one failed row.
+
+A failure spreads: when one rank dies, its peers fail too, with symptoms
+("Connection reset by peer", "Timed out waiting ... for recv", "parameter server
+rank 2 failed"). The row must name the cause, so the evidence is kept apart:
+
+- every locally spawned rank writes its progress to `beat.rank<r>` in the run
+  folder (`beat`) and, when it fails, `error.rank<r>.json` with the
+  error and whether it is a peer's symptom (`is_symptom`);
+- the launcher, which alone sees how each process ended, picks the first cause
+  (`cause`) and writes the run's one failed row (`record`).
+
+Under srun the ranks cannot see each other's ends: a rank records its own
+error, a symptom is left to the array script, which runs
+`python -m harness.failure` when srun fails and the task left no failed row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from harness import config, results
+
+# Errors a rank gets because another one failed: transport and timeout errors of
+# Gloo, NCCL, the TCP store and sockets.
+SYMPTOMS = re.compile(
+    r"Connection (reset|closed|refused)|Broken pipe|[Tt]imed out|[Tt]imeout|pair closure"
+    r"|NCCL communicator was aborted|ECONNRESET|EPIPE"
+)
+
+
+def is_symptom(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is a peer's failure seen from here."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, dist.DistError) or SYMPTOMS.search(str(seen)):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def beat(run_dir: Path | None, rank: int, repeat: int, where: str) -> None:
+    """A rank's progress, for the local launcher's watchdog and failure report (under
+    srun/torchrun, `run_dir` None, nobody watches)."""
+    if run_dir is not None:
+        (run_dir / f"beat.rank{rank}").write_text(f"{repeat}\t{where}")
+
+
+def write_error(run_dir: Path, rank: int, exc: BaseException, text: str) -> None:
+    """A failing rank's last words, for the local launcher."""
+    (run_dir / f"error.rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "error": text, "symptom": is_symptom(exc), "time": time.time()}))
+
+
+@dataclass
+class Ending:
+    """How the local launcher saw a run end."""
+
+    code: int                                             # the run's exit code
+    exits: dict[int, int] = field(default_factory=dict)   # ranks that ended by themselves
+    alive: list[int] = field(default_factory=list)        # ranks the launcher had to stop
+    reason: str = ""                                      # the launcher's own: stall, signal
+
+
+def _beats(run_dir: Path) -> dict[int, tuple[int, str, float]]:
+    """Each rank's last beat: (repeat, where, seconds ago)."""
+    out = {}
+    for path in run_dir.glob("beat.rank*"):
+        try:
+            repeat, where = path.read_text().split("\t", 1)
+            out[int(path.name.removeprefix("beat.rank"))] = (
+                int(repeat), where, time.time() - path.stat().st_mtime)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _errors(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for path in run_dir.glob("error.rank*.json"):
+        try:
+            err = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[err["rank"]] = err
+    return out
+
+
+def last_progress(run_dir: Path, *, since: float) -> float:
+    """When any rank last beat (wall clock), or `since` if later."""
+    return max([since, *(time.time() - ago for _, _, ago in _beats(run_dir).values())])
+
+
+def symptoms_only(run_dir: Path, ranks: list[int]) -> bool:
+    """Whether every one of `ranks` failed with a peer's symptom (so the cause is elsewhere)."""
+    errors = _errors(run_dir)
+    return all(r in errors and errors[r]["symptom"] for r in ranks)
+
+
+def where(run_dir: Path, rank: int) -> str:
+    beat = _beats(run_dir).get(rank)
+    return f" at repeat {beat[0]}, {beat[1]}" if beat else " while starting"
+
+
+def stalled(run_dir: Path, *, idle_s: float, ranks: int) -> str:
+    """The launcher's reason when no rank has beaten for `idle_s`."""
+    beats = _beats(run_dir)
+    last = "; ".join(f"rank {r}{where(run_dir, r)}" for r in sorted(beats)[:4]) or "none"
+    return (f"no rank made progress for {idle_s:.0f} s (run.timeout_s plus grace); "
+            f"last progress: {last}"
+            + (f" (of {ranks} ranks)" if len(beats) > 4 else ""))
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | None]:
+    """The first cause of a failed local run, and the repeat it hit (None: unknown).
+
+    In order: the launcher's own reason (a signal to it); a rank that died
+    without saying why (a signal, `os._exit`); a rank's own error; no progress at
+    all; a rank still running, silent, while its peers timed out on it; the
+    earliest symptom.
+    """
+    errors, beats = _errors(run_dir), _beats(run_dir)
+    own = sorted((e for e in errors.values() if not e["symptom"]), key=lambda e: e["time"])
+    hard = [r for r, c in ending.exits.items() if c != 0 and r not in errors]
+    symptoms = sorted((e for e in errors.values() if e["symptom"]), key=lambda e: e["time"])
+    silent = [r for r in ending.alive if r not in errors]
+    if ending.reason and not ending.reason.startswith("no rank made progress"):
+        text, rank = ending.reason, None
+    elif hard:
+        rank = hard[0]
+        text = f"rank {rank} {_how(ending.exits[rank])}{where(run_dir, rank)}"
+    elif own:
+        text, rank = own[0]["error"], own[0]["rank"]
+    elif ending.reason:
+        text, rank = ending.reason, None
+    elif symptoms and silent:
+        rank = silent[0]
+        text = (f"rank {rank} hung{where(run_dir, rank)}: still running, with no error, "
+                f"when its peers timed out; {symptoms[0]['error']}")
+    elif symptoms:
+        text, rank = symptoms[0]["error"], symptoms[0]["rank"]
+    else:
+        rank = next(iter(ending.exits), None)
+        text = f"rank {rank} {_how(ending.exits[rank])}" if rank is not None else "unknown"
+    if rank is not None and rank < workers and rank in beats:
+        return text, beats[rank][0]
+    worker_repeats = [b[0] for r, b in beats.items() if r < workers]
+    return text, max(worker_repeats) if worker_repeats else None
+
+
+def record(cfg: DictConfig, *, entry: str, run_id: str, repeat: int | None, error: str) -> None:
+    """Keep the failure as data (entries with `record_failure`): a failed row for
+    `repeat` (None: the first without a shard), unless that repeat has its shard,
+    all repeats have, or the run already has a failed row."""
+    module = importlib.import_module(entry)
+    if not hasattr(module, "record_failure"):
+        return
+    shards = {r: results.shard_path(cfg.results_dir, run_id, r)
+              for r in range(cfg.run.repeats)}
+    written = [r for r, p in shards.items() if p.exists()]
+    if repeat is None:
+        repeat = next((r for r in shards if r not in written), None)
+    if repeat is None or repeat in written or _has_failed_row([shards[r] for r in written]):
+        return
+    try:
+        module.record_failure(cfg, run_id=run_id, repeat=repeat, error=error)
+    except OSError as exc:  # a full or vanished disk: say so, the exit code stays
+        print(f"ddlbench: could not write the failed row of run {run_id}: {exc}",
+              file=sys.stderr)
+
+
+def _has_failed_row(paths: list[Path]) -> bool:
+    for path in paths:
+        try:
+            frame = results.load(path)
+        except Exception:  # noqa: BLE001 - an unreadable shard is no failed row
+            continue
+        if (frame.status == "failed").any():
+            return True
+    return False
+
+
+def error_line(log: Path) -> str:
+    """The line of a task's log that tells why srun failed: srun's first word on a task
+    ("task 1: Exited with exit code 3"; later ones are mostly the tasks it then
+    killed), else the last line that reads like an error, else the last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"(no log at {log})"
+    tasks = [ln for ln in lines if re.search(r"srun: error: .*task \d+: ", ln)]
+    flagged = [ln for ln in lines if re.search(
+        r"[Ee]rror|failed|[Kk]illed|CANCELLED|Exception|terminate|oom", ln)]
+    return (tasks[:1] or flagged[-1:] or lines[-1:] or ["(empty log)"])[0][:500]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m harness.failure --run-id ID --exit-code N --log FILE -- [overrides]`:
+    the array script's record of a task whose srun failed."""
+    parser = argparse.ArgumentParser(prog="python -m harness.failure", description=main.__doc__)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--exit-code", type=int, required=True)
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cfg = config.load(args.overrides)
+    error = f"srun exited with code {args.exit_code}: {error_line(args.log)}"
+    print(f"ddlbench: run {args.run_id} failed: {error}", file=sys.stderr)
+    record(cfg, entry="harness.bench", run_id=args.run_id, repeat=None, error=error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,154 @@
+"""The typed schema of a configuration, and what it resolves to on this machine.
+
+`BenchConf` is conf/bench.yaml as dataclasses: Hydra composes into it, so a value of
+the wrong type is an error before anything starts. Free-form parts (a model's
+`build`, a method's parts, a network profile) are typed by harness.checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+GROUPS = ("model", "method", "cluster", "network", "experiment")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported as one line before anything starts."""
+
+
+@dataclass
+class OptimizerConf:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ModelConf:
+    name: str = "???"
+    family: str = "???"
+    local_batch_size: int = 1
+    build: dict[str, Any] = field(default_factory=dict)
+    optimizer: OptimizerConf = field(default_factory=OptimizerConf)
+
+
+@dataclass
+class MethodConf:
+    name: str = "???"
+    transport: dict[str, Any] = field(default_factory=dict)
+    planner: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SlurmConf:
+    """cluster.slurm of conf/cluster/slurm.yaml (its comments say what each key does)."""
+
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = "01:00:00"
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    colocate_servers: bool = True
+    servers_per_node: int = 1
+    max_parallel: int = 0
+    extra: list[str] = field(default_factory=list)
+    setup: str = ""
+    template: str = "slurm/array.sbatch"
+    jobs_dir: str = "slurm/jobs"
+
+
+@dataclass
+class ClusterConf:
+    name: str = "local"
+    nodes: int = 1
+    workers_per_node: int = 1
+    servers: int | None = None
+    device: str = "auto"
+    backend: str = "auto"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    slurm: SlurmConf | None = None  # submission settings (harness.submit, cluster=slurm)
+
+
+@dataclass
+class FaultConf:
+    """Fault injection, to test failure handling: rank `rank` fails at iteration `at_iter`."""
+
+    rank: int = -1        # -1: no fault
+    at_iter: int = 0      # counted over warm-up and timed iterations of all repeats
+    kind: str = "raise"   # raise | exit (the process dies) | hang (sleeps forever)
+
+
+@dataclass
+class RunConf:
+    warmup_iters: int = 10
+    timed_iters: int = 100
+    repeats: int = 5
+    seed: int = 0
+    timeout_s: float = 300.0
+    threads: int = 0
+    force: bool = False   # true: lift the machine-fit limits (harness.checks)
+    fault: FaultConf = field(default_factory=FaultConf)
+
+
+@dataclass
+class VerifyConf:
+    steps: int = 3
+    atol: float = 1e-5
+    rtol: float = 1.3e-6
+
+
+@dataclass
+class MicrobenchConf:
+    min_bytes: int = 1024
+    max_bytes: int = 16 * 1024 * 1024
+    repeats: int = 5
+
+
+@dataclass
+class SimulateConf:
+    compute: str = "measured"   # measured (profile this machine) | a GPU named in `gpus`
+    gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}
+    profile_iters: int = 5
+    iterations: int = 6
+    reference: str | None = None
+    advise: bool = False
+
+
+@dataclass
+class BenchConf:
+    model: ModelConf = field(default_factory=ModelConf)
+    method: MethodConf = field(default_factory=MethodConf)
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    network: dict[str, Any] = field(default_factory=lambda: {"name": "loopback"})
+    run: RunConf = field(default_factory=RunConf)
+    verify: VerifyConf = field(default_factory=VerifyConf)
+    microbench: MicrobenchConf = field(default_factory=MicrobenchConf)
+    simulate: SimulateConf = field(default_factory=SimulateConf)
+    results_dir: str = "results"
+
+
+def is_real_network(network: DictConfig) -> bool:
+    """Whether a network profile describes a real cluster's links (simulator input)."""
+    return "inter_node" in network
+
+
+def resolve_device(cluster: DictConfig) -> str:
+    """'cuda' or 'cpu' for cluster.device=auto|cuda|cpu on this machine."""
+    import torch
+
+    if cluster.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cluster.device
+
+
+def resolve_backend(cluster: DictConfig) -> str:
+    if cluster.backend == "auto":
+        return "nccl" if resolve_device(cluster) == "cuda" else "gloo"
+    return cluster.backend

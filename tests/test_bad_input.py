@@ -1,0 +1,231 @@
+"""Every bad input of every command: one line, exit code 2, nothing started, nothing written.
+
+A row is (command, arguments, fragments of the message). `{tmp}` is the test's scratch
+folder, holding `file.txt` (a file where a folder is expected) and the reference CSVs
+below; `{ro}` is a folder this user cannot write. Every row runs the real command, with
+its output folders inside `{tmp}` (harness.run also gets TINY: a missed check costs
+seconds). Add a row, get a test.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import checks, results
+from tests.conftest import TINY, run_module
+
+RO = "/proc/sys/ddlbench-test"  # a read-only file system: not writable, even for root
+RO_WRITABLE = os.access(Path(RO).parent, os.W_OK)
+FILES = {
+    "file.txt": "not a folder\n",
+    "cols.csv": "model,method\nx,y\n",
+    "text.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,fast\n",
+    "other.csv": "model,method,network,gpus,throughput_mean\nbert_base,ddp,eth10_tcp,4,100\n",
+    "bin.csv": "\x89PNG\x00\xff\xfe garbage",
+}
+# One study configuration the simulator predicts from the study's GPU (no profiling).
+STUDY = ["model=resnet50", "network=ib100_rdma", "simulate.compute=rtx2080ti",
+         "cluster.workers_per_node=4"]
+# The study's sweep, up to 32 workers and 8 servers: more than a machine of < 10 cores takes.
+PAPER = ["experiment=paper", "cluster=local"]
+SMOKE = ["experiment=smoke", "dry_run=true", "cluster.slurm.jobs_dir={tmp}/jobs"]
+FIT = ["max(8, 4 x", "run.force=true"]
+
+ROWS = [
+    # machine fit of local runs, lifted by run.force=true
+    ("harness.run", ["cluster.workers_per_node=10000"],
+     ["10000 local processes", "cluster.workers_per_node=10000", *FIT]),
+    ("harness.run", ["run.threads=100000"], ["run.threads=100000", "cores", "run.force=true"]),
+    ("harness.run", ["run.timed_iters=1000000000"],
+     ["run.timed_iters=1000000000", "limit of 100000", "run.force=true"]),
+    ("harness.run", ["run.repeats=5000"], ["run.repeats=5000", "limit of 1000"]),
+    ("harness.run", PAPER, ["cluster.nodes=2", *FIT]),
+    ("harness.verify", ["cluster.workers_per_node=10000"], ["10000 local processes", *FIT]),
+    ("harness.microbench", ["microbench.max_bytes=4294967296"],
+     ["microbench.max_bytes=4294967296", "run.force=true"]),
+    ("harness.simulate", ["cluster.workers_per_node=1000"], ["1000 local processes", *FIT]),
+    # rules no override lifts
+    ("harness.run", ["cluster.master_port=99999"], ["cluster.master_port=99999", "0..65535"]),
+    ("harness.run", ["run.force=true", "cluster.master_port=99999"], ["0..65535"]),
+    ("harness.verify", ["cluster.master_port=-1"], ["cluster.master_port=-1"]),
+    ("harness.run", ["cluster=emulated", "cluster.nodes=300"],
+     ["cluster.nodes=300", "300 emulated hosts", "250"]),
+    ("harness.run", ["run.fault.rank=99"], ["run.fault.rank=99", "0..0", "-1"]),
+    ("harness.run", ["method=bsp_ps", "cluster.workers_per_node=2", "run.fault.rank=3"],
+     ["run.fault.rank=3", "0..2"]),
+    ("harness.run", ["run.fault.at_iter=-1"], ["run.fault.at_iter=-1", ">= 0"]),
+    # output folders: checked, never made
+    ("harness.run", ["results_dir={tmp}/file.txt"], ["results_dir=", "file.txt is a file"]),
+    ("harness.run", ["results_dir={tmp}/file.txt/results"], ["cannot be made", "is a file"]),
+    ("harness.run", ["results_dir={ro}/results"], ["results_dir=", "not writable"]),
+    ("harness.microbench", ["results_dir={tmp}/file.txt"], ["results_dir=", "is a file"]),
+    ("harness.simulate", [*STUDY, "results_dir={tmp}/file.txt"], ["is a file"]),
+    ("harness.report", ["results_dir={tmp}/results", "out_dir={tmp}/file.txt"],
+     ["out_dir=", "file.txt is a file"]),
+    ("harness.report", ["results_dir={tmp}/results", "out_dir={ro}/plots"],
+     ["out_dir=", "not writable"]),
+    # typed values, free-form keys included
+    ("harness.run", ["network=eth1g", "network.rate_mbit=abc"],
+     ["network.rate_mbit='abc'", "a number"]),
+    ("harness.run", ["network.rate_mbit=abc"],
+     ["network.rate_mbit is not a configuration key", "+network.rate_mbit="]),
+    ("harness.run", ["+network.rate_mbt=3"], ["network.rate_mbt", "did you mean rate_mbit?"]),
+    ("harness.run", ["method=bytescheduler_ps", "method.transport.partition_bytes=abc"],
+     ["method.transport.partition_bytes='abc'", "an integer"]),
+    ("harness.run", ["method=ddp", "method.planner.bucket_cap_mb=abc"],
+     ["method.planner.bucket_cap_mb='abc'", "a number"]),
+    ("harness.run", ["model.build.image_size=abc"], ["model.build.image_size='abc'", "integer"]),
+    ("harness.run", ["cluster.workers_per_node=abc"], ["cluster.workers_per_node", "'abc'"]),
+    ("harness.simulate", [*STUDY, "network.cycle_s=abc"], ["network.cycle_s='abc'", "number"]),
+    ("harness.simulate", [*STUDY, "simulate.gpus.rtx2080ti.resnet50=abc"],
+     ["simulate.gpus.rtx2080ti.resnet50='abc'", "samples/s"]),
+    # misspelled keys and choices
+    ("harness.run", ["run.timed_iter=5"], ["run.timed_iter", "did you mean run.timed_iters?"]),
+    ("harness.run", ["+run.timed_iter=5"], ["did you mean run.timed_iters?"]),
+    ("harness.run", ["modle=bert_tiny"], ["modle", "did you mean model?"]),
+    ("harness.run", ["model=bert_tin"], ["model 'bert_tin' is unknown", "did you mean bert_tiny?"]),
+    ("harness.verify", ["cluster.worker_per_node=2"], ["did you mean cluster.workers_per_node?"]),
+    # the simulator's reference, read and checked before anything is simulated
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/none.csv"], ["does not exist"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/cols.csv"], ["lacks columns"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/text.csv"],
+     ["column throughput_mean", "non-numeric value 'fast'"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/bin.csv"], ["is unreadable"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/other.csv"],
+     ["has no cell of this sweep"]),
+    # the report's own arguments
+    ("harness.report", ["results_dir={tmp}/results", "out_dir={tmp}/o", "colour=red"],
+     ["unknown argument 'colour=red'"]),
+    ("harness.report", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                        "reference={tmp}/none.csv"], ["reference file", "not found"]),
+    # submit's own options, Slurm settings and folders
+    ("harness.submit", [*SMOKE, "dryrun=true"], ["did you mean dry_run=true?"]),
+    ("harness.submit", [*SMOKE, "dry_run=maybe"], ["dry_run='maybe'", "true or false"]),
+    ("harness.submit", [*SMOKE, "cluster.slurm.jobs_dir={tmp}/file.txt/jobs"],
+     ["cluster.slurm.jobs_dir=", "cannot be made"]),
+    ("harness.submit", [*SMOKE, "results_dir={tmp}/file.txt"], ["results_dir=", "is a file"]),
+    ("harness.submit", [*SMOKE, "cluster.slurm.gpus_per_node=abc"],
+     ["cluster.slurm.gpus_per_node", "'abc'"]),
+    ("harness.submit", [*SMOKE, "cluster.slurm.gpu_per_node=1"],
+     ["did you mean cluster.slurm.gpus_per_node"]),
+    # methodbench's arguments; every run it would make is validated first
+    ("harness.methodbench", ["--models", "bert_tin"], ["--models 'bert_tin' is unknown",
+                                                       "did you mean bert_tiny?"]),
+    ("harness.methodbench", ["--methods", "wfbp"], ["--methods 'wfbp' is unknown"]),
+    ("harness.methodbench", ["--workers", "0"], ["--workers 0 is invalid"]),
+    ("harness.methodbench", ["--workers", "1,x"], ["--workers 1,x is invalid"]),
+    ("harness.methodbench", ["--rounds", "0"], ["--rounds 0", ">= 1"]),
+    ("harness.methodbench", ["--timed-iters", "0"], ["--timed-iters 0", ">= 1"]),
+    ("harness.methodbench", ["--warmup-iters", "abc"], ["--warmup-iters", "invalid int"]),
+    ("harness.methodbench", ["--nope"], ["unrecognized arguments: --nope"]),
+    ("harness.methodbench", ["--results-dir", "{tmp}/file.txt"], ["--results-dir", "is a file"]),
+    ("harness.methodbench", ["--workers", "1000"], ["1000 local processes", "--force"]),
+]
+DEFAULTS = {  # where each command would write, inside the scratch folder
+    "harness.run": ["results_dir={tmp}/results", *TINY],
+    "harness.verify": ["results_dir={tmp}/results", *TINY],
+    "harness.microbench": ["results_dir={tmp}/results"],
+    "harness.simulate": ["results_dir={tmp}/results"],
+    "harness.submit": ["results_dir={tmp}/results"],
+    "harness.report": [],
+    "harness.methodbench": ["--results-dir", "{tmp}/results", "--rounds", "1"],
+}
+
+
+def _argv(module: str, args: list[str]) -> list[str]:
+    """The row's arguments after the command's defaults that it does not set itself."""
+    if module == "harness.methodbench":
+        flags = {a for a in args if a.startswith("--")}
+        pairs = list(zip(DEFAULTS[module][::2], DEFAULTS[module][1::2]))
+        return [x for flag, value in pairs if flag not in flags for x in (flag, value)] + args
+    keys = {a.split("=", 1)[0].lstrip("+~") for a in args}
+    return [a for a in DEFAULTS[module] if a.split("=", 1)[0] not in keys] + args
+
+
+def _files(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+@pytest.mark.parametrize("module, args, fragments", ROWS,
+                         ids=[f"{m.split('.')[1]}:{' '.join(a)}" for m, a, _ in ROWS])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(module: str, args: list[str],
+                                                          fragments: list[str],
+                                                          tmp_path: Path) -> None:
+    if any("{ro}" in a for a in args) and RO_WRITABLE:
+        pytest.skip(f"{Path(RO).parent} is writable here: no read-only folder to test with")
+    if args == PAPER and checks.max_processes() >= 40:
+        pytest.skip("this machine takes the study's 40 local processes")
+    for name, text in FILES.items():
+        (tmp_path / name).write_bytes(text.encode("latin-1"))
+    before = _files(tmp_path)
+    argv = [a.format(tmp=tmp_path, ro=RO) for a in _argv(module, args)]
+    start = time.monotonic()
+    out = run_module(module, *argv, timeout=120)
+    elapsed = time.monotonic() - start
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(lines) == 1 and lines[0].startswith("ddlbench: error: "), out.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert _files(tmp_path) == before, "bad input may write nothing"
+    assert not Path(RO).exists()
+    assert elapsed < 60, f"bad input took {elapsed:.0f}s: something started"
+
+
+# --- unreadable shards are listed and skipped by every reader, never fatal ---------------
+
+def _bad_shards(folder: Path) -> list[Path]:
+    """A garbage file named *.parquet and a parquet table that is no result shard."""
+    import pandas as pd
+
+    folder.mkdir(parents=True, exist_ok=True)
+    garbage = folder / "garbage.parquet"
+    garbage.write_text("not parquet")
+    other = folder / "other.parquet"
+    pd.DataFrame({"kind": ["p2p"], "bytes": [4], "seconds": [1e-6]}).to_parquet(other)
+    return [garbage, other]
+
+
+def _warned(stderr: str, paths: list[Path]) -> None:
+    for path in paths:
+        lines = [ln for ln in stderr.splitlines() if str(path) in ln]
+        assert lines and all(ln.startswith("ddlbench: warning: ") for ln in lines), stderr
+
+
+def test_run_skips_unreadable_shards_in_its_summary(tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    bad = _bad_shards(res)
+    out = run_module("harness.run", "model=bert_tiny", "method=ddp", *TINY,
+                     f"results_dir={res}", timeout=300)
+    assert out.returncode == 0, out.stderr
+    _warned(out.stderr, bad)
+    assert "samples/s over 1 repeats" in out.stdout
+
+
+def test_report_lists_unreadable_shards(tmp_path: Path) -> None:
+    res, plots = tmp_path / "results", tmp_path / "plots"
+    bad = _bad_shards(res)
+    row = {"run_id": "r", "model": "toy", "method": "ddp", "world_size": 1, "repeat": 0,
+           "throughput": 10.0, "status": "ok", "source": "measured", "network": "loopback",
+           "local_batch_size": 8}
+    assert results.write_shard(results.shard_path(res, "r", 0), [row])
+    out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
+    assert out.returncode == 0, out.stderr
+    _warned(out.stderr, bad)
+    summary = (plots / "summary.md").read_text()
+    assert "Unreadable shards" in summary and all(p.name in summary for p in bad)
+
+
+def test_submit_skips_unreadable_shards(tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    bad = _bad_shards(res)
+    out = run_module("harness.submit", "experiment=smoke", "dry_run=true", f"results_dir={res}",
+                     f"cluster.slurm.jobs_dir={tmp_path / 'jobs'}", timeout=120)
+    assert out.returncode == 0, out.stderr
+    _warned(out.stderr, bad)
+    assert "0 already complete" in out.stdout

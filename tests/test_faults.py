@@ -1,0 +1,202 @@
+"""The fault battery: every way a run can die ends it in time, as one failed row naming
+the cause, with earlier shards intact and nothing left behind.
+
+Each run has two repeats (a sweep of two jobs for the signals to the launcher); the
+fault strikes in the second, after the first repeat's shard was written. `make test`
+runs each fault once, with one of the three kinds of method; `make faults` runs
+every fault with every kind (the `faults` marker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness import netem, results
+from tests.conftest import REPO, live_processes
+
+WARMUP, TIMED = 1, 10
+RUN = ["model=bert_tiny", f"run.warmup_iters={WARMUP}", f"run.timed_iters={TIMED}",
+       "run.repeats=2"]
+SECOND_REPEAT = WARMUP + TIMED + 2  # run.fault.at_iter of an iteration in the second repeat
+METHODS = ["bsp_a2a", "wfbp_ps", "bytescheduler_a2a"]  # all-reduce, PS, ByteScheduler
+
+
+@dataclass(eq=False)  # hashable by identity: a key of FAULTS
+class Fault:
+    name: str
+    overrides: list[str]
+    expect: list[str]           # fragments of the failed row's error
+    action: str = ""            # "", "SIGINT"/"SIGTERM" (to the launcher), "kill1" (SIGKILL rank 1)
+    code: int | None = None     # the exit code, where it is fixed
+    timeout_s: int = 60         # run.timeout_s
+    workers: int = 2
+    servers: bool = False       # only for PS methods
+
+
+def _inject(rank: int, kind: str, at: int = SECOND_REPEAT) -> list[str]:
+    return [f"run.fault.rank={rank}", f"run.fault.at_iter={at}", f"run.fault.kind={kind}"]
+
+
+FAULTS = {  # each with the method `make test` runs it with
+    Fault("worker-raise", _inject(1, "raise"), ["rank 1", "injected fault"]): "bsp_a2a",
+    Fault("worker-exit", _inject(1, "exit"), ["rank 1 exited with code 3", "repeat 1"]):
+        "bytescheduler_a2a",
+    Fault("worker-hang", _inject(1, "hang"), ["rank 1 hung", "repeat 1"], timeout_s=10):
+        "wfbp_ps",
+    Fault("lone-worker-hang", _inject(0, "hang"), ["no rank made progress", "iteration 2"],
+          timeout_s=10, workers=1): "bsp_a2a",
+    Fault("server-exit", _inject(2, "exit"), ["rank 2 exited with code 3"], servers=True):
+        "wfbp_ps",
+    Fault("server-hang", _inject(2, "hang"), ["rank 2 hung", "parameter server rank 2"],
+          timeout_s=10, servers=True): "wfbp_ps",
+    Fault("launcher-sigint", [], ["interrupted (SIGINT"], action="SIGINT", code=130):
+        "wfbp_ps",
+    Fault("launcher-sigterm", [], ["SIGTERM"], action="SIGTERM", code=143):
+        "bytescheduler_a2a",
+    Fault("rank-sigkill", [], ["rank 1 was killed by signal SIGKILL"], action="kill1"):
+        "bsp_a2a",
+}
+CASES = [pytest.param(fault, method, id=f"{fault.name}-{method}",
+                      marks=[] if method == FAULTS[fault] else [pytest.mark.faults])
+         for fault in FAULTS for method in METHODS if method == "wfbp_ps" or not fault.servers]
+
+
+class Run:
+    """`python -m harness.run` in the background, its temporary files in `tmp`."""
+
+    def __init__(self, tmp: Path, *overrides: str, timeout_s: int,
+                 results_dir: Path | None = None) -> None:
+        self.results, self.tmp = results_dir or tmp / "results", tmp / "tmp"
+        self.tmp.mkdir()
+        self.out, self.err = tmp / "stdout", tmp / "stderr"
+        self.started = time.monotonic()
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.run", *RUN, f"results_dir={self.results}",
+                 f"run.timeout_s={timeout_s}", *overrides],
+                cwd=REPO, stdout=out, stderr=err, env={**os.environ, "TMPDIR": str(self.tmp)})
+
+    def run_dirs(self) -> list[Path]:
+        return list(self.tmp.glob("ddlbench-*"))
+
+    def wait_for_second_repeat(self, timeout: float = 120) -> None:
+        """Until rank 1 iterates in the second repeat (its first one has a shard)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for run_dir in self.run_dirs():
+                try:
+                    if (run_dir / "beat.rank1").read_text().startswith("1\titeration"):
+                        return
+                except OSError:
+                    pass
+            assert self.proc.poll() is None, self.err.read_text()
+            time.sleep(0.05)
+        raise AssertionError("the run never reached its second repeat")
+
+    def rank_pid(self, rank: int) -> int:
+        [run_dir] = self.run_dirs()
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                env = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(run_dir).encode() in cmd and f"DDLBENCH_RANK={rank}".encode() in env:
+                return int(proc.name)
+        raise AssertionError(f"no process of rank {rank}")
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the run did not end within {timeout:.0f} s") from None
+
+
+def _act(run: Run, action: str) -> None:
+    if not action:
+        return
+    run.wait_for_second_repeat()
+    if action == "kill1":
+        os.kill(run.rank_pid(1), signal.SIGKILL)
+    else:
+        run.proc.send_signal(getattr(signal, action))
+
+
+def _assert_failed_cleanly(run: Run, fault: Fault, code: int) -> None:
+    elapsed = time.monotonic() - run.started
+    stderr = run.err.read_text()
+    assert code != 0, stderr
+    if fault.code is not None:
+        assert code == fault.code, stderr
+    assert run.results.exists(), stderr
+    frame = results.load(run.results).sort_values(["run_id", "repeat"])
+    first = frame[frame.run_id == frame.run_id.iloc[0]]
+    assert first.status.tolist() == ["ok", "failed"], stderr
+    error = first.error.iloc[1]
+    for fragment in fault.expect:
+        assert fragment in error, error
+    assert elapsed < fault.timeout_s + 120, f"took {elapsed:.0f} s"
+    assert run.run_dirs() == [], "the run's temporary folder was left behind"
+    assert live_processes(str(run.tmp)) == [], "processes of the run were left behind"
+
+
+@pytest.mark.parametrize(("fault", "method"), CASES)
+def test_fault_ends_the_run_with_one_row_naming_the_cause(fault: Fault, method: str,
+                                                          tmp_path: Path) -> None:
+    sweep = ["-m", "run.seed=0,1"] if fault.action.startswith("SIG") else []
+    run = Run(tmp_path, *sweep, f"method={method}", f"cluster.workers_per_node={fault.workers}",
+              *fault.overrides, timeout_s=fault.timeout_s)
+    _act(run, fault.action)
+    code = run.finish(timeout=fault.timeout_s + 180)
+    _assert_failed_cleanly(run, fault, code)
+    if sweep:  # a signal stops the whole sweep: the second job never starts
+        assert "job 2/2" not in run.out.read_text()
+        assert results.load(run.results).run_id.nunique() == 1
+
+
+def test_full_disk_while_writing_a_shard_fails_the_repeat(tmp_path: Path) -> None:
+    """A small tmpfs fills up after the first shard: the second repeat's shard cannot be
+    written, the partial file is removed, the (smaller) failed row still fits."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        run = Run(tmp_path, "cluster.workers_per_node=2", timeout_s=60, results_dir=disk)
+        run.wait_for_second_repeat()
+        [shard] = disk.glob("*.parquet")
+        room = 16 * 1024  # 4 tmpfs pages: a failed row (15.8 KB), not a measured one (17 KB)
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        (disk / "filler").write_bytes(b"\0" * (free - room))
+        code = run.finish(timeout=180)
+        _assert_failed_cleanly(run, Fault("disk", [], ["No space left on device", "rank 0"]),
+                               code)
+        assert sorted(p.name for p in disk.iterdir() if p.name != "filler") == sorted(
+            [shard.name, shard.name.replace("_r0", "_r1")]), "a partial file was left"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.network
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.skipif(bool(netem.missing_tools()), reason="ip/tc (iproute2) are missing")
+def test_sigint_during_an_emulated_run_removes_the_network(tmp_path: Path) -> None:
+    run = Run(tmp_path, "cluster=emulated", "network=eth1g", "cluster.workers_per_node=2",
+              timeout_s=60)
+    run.wait_for_second_repeat()
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(timeout=120)
+    _assert_failed_cleanly(run, Fault("emulated", [], ["interrupted"], code=130), code)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert netem.PREFIX not in links and netem.PREFIX not in spaces, (links, spaces)
