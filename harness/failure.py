@@ -70,7 +70,8 @@ class Ending:
     code: int                                             # the run's exit code
     exits: dict[int, int] = field(default_factory=dict)   # ranks that ended by themselves
     alive: list[int] = field(default_factory=list)        # ranks the launcher had to stop
-    reason: str = ""                                      # the launcher's own: stall, signal
+    interrupt: str = ""  # why the launcher was stopped (SIGINT, SIGTERM), where the run was
+    stall: str = ""      # the watchdog's finding, when no rank made progress
 
 
 def _beats(run_dir: Path) -> dict[int, tuple[int, str, float]]:
@@ -144,15 +145,15 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
     hard = [r for r, c in ending.exits.items() if c != 0 and r not in errors]
     symptoms = sorted((e for e in errors.values() if e["symptom"]), key=lambda e: e["time"])
     silent = [r for r in ending.alive if r not in errors]
-    if ending.reason and not ending.reason.startswith("no rank made progress"):
-        text, rank = ending.reason, None
+    if ending.interrupt:
+        text, rank = ending.interrupt, None
     elif hard:
         rank = hard[0]
         text = f"rank {rank} {_how(ending.exits[rank])}{where(run_dir, rank)}"
     elif own:
         text, rank = own[0]["error"], own[0]["rank"]
-    elif ending.reason:
-        text, rank = ending.reason, None
+    elif ending.stall:
+        text, rank = ending.stall, None
     elif symptoms and silent:
         rank = silent[0]
         text = (f"rank {rank} hung{where(run_dir, rank)}: still running, with no error, "

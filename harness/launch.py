@@ -162,8 +162,7 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
             code = 143 if isinstance(exc, Terminated) else 130
             reason = ("the launcher got SIGTERM" if code == 143 else
                       "the launcher was interrupted (SIGINT, Ctrl-C)")
-            ending = _stopped(procs, {}, code=code,
-                              reason=reason + failure.where(run_dir, 0))
+            ending = _stopped(procs, {}, code=code, interrupt=reason + failure.where(run_dir, 0))
         if ending.code != 0:
             error, repeat = failure.cause(run_dir, ending, workers=workers)
             print(f"ddlbench: run {run_id} failed: {error}", file=sys.stderr)
@@ -221,16 +220,16 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, *, idle_s: float) -> fa
                 code = next(iter(failed.values()))
                 return _stopped(procs, exits, code=code if code > 0 else 1)
         elif time.time() - failure.last_progress(run_dir, since=started) > idle_s:
-            return _stopped(procs, exits, code=1, reason=failure.stalled(
+            return _stopped(procs, exits, code=1, stall=failure.stalled(
                 run_dir, idle_s=idle_s, ranks=len(procs)))
         time.sleep(POLL_S)
 
 
 def _stopped(procs: list[subprocess.Popen], exits: dict[int, int], *, code: int,
-             reason: str = "") -> failure.Ending:
+             interrupt: str = "", stall: str = "") -> failure.Ending:
     alive = [r for r, p in enumerate(procs) if r not in exits and p.poll() is None]
     _stop(procs)
-    return failure.Ending(code, dict(exits), alive, reason)
+    return failure.Ending(code, dict(exits), alive, interrupt=interrupt, stall=stall)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

@@ -39,7 +39,7 @@ SERVER.__cause__ = TIMEOUT
     (Ending(1, {0: 1, 1: 1}, alive=[2]), {0: (SERVER, 1), 1: (SERVER, 2)},
      "rank 2 hung", 1),
     # the launcher's own reason comes first
-    (Ending(130, {}, alive=[0, 1, 2], reason="the launcher was interrupted"), {},
+    (Ending(130, {}, alive=[0, 1, 2], interrupt="the launcher was interrupted"), {},
      "the launcher was interrupted", 1),
 ])
 def test_the_row_names_the_first_cause(tmp_path: Path, ending, errors, expect, repeat) -> None:
