@@ -6,7 +6,7 @@ rank 2 failed"). The row must name the cause, so the evidence is kept apart:
 
 - every locally spawned rank writes its progress to `beat.rank<r>` in the run
   folder (`beat`) and, when it fails, `error.rank<r>.json` with the
-  error and whether it is a peer's symptom (`is_symptom`);
+  error and whether it is a peer's symptom (`symptom`);
 - the launcher, which alone sees how each process ended, picks the first cause
   (`cause`) and writes the run's one failed row (`record`).
 
@@ -32,22 +32,23 @@ from omegaconf import DictConfig
 
 from harness import config, results
 
-# Errors a rank gets because another one failed: transport and timeout errors of
-# Gloo, NCCL, the TCP store and sockets.
-SYMPTOMS = re.compile(
-    r"Connection (reset|closed|refused)|Broken pipe|[Tt]imed out|[Tt]imeout|pair closure"
-    r"|NCCL communicator was aborted|ECONNRESET|EPIPE"
-)
+# Errors a rank gets because another one failed (Gloo, NCCL, the TCP store, sockets):
+# a peer that did not answer in time, or a peer that went away.
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout|NCCL communicator was aborted")
+CLOSED = re.compile(r"Connection (reset|closed|refused)|Broken pipe|ECONNRESET|EPIPE")
 
 
-def is_symptom(exc: BaseException) -> bool:
-    """Whether `exc`, or an error it was raised from, is a peer's failure seen from here."""
+def symptom(exc: BaseException) -> str:
+    """'timeout' or 'closed' when `exc`, or an error it was raised from, is a peer's
+    failure seen from here; '' when it is this rank's own."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, dist.DistError) or SYMPTOMS.search(str(seen)):
-            return True
+        if TIMED_OUT.search(str(seen)):
+            return "timeout"
+        if isinstance(seen, dist.DistError) or CLOSED.search(str(seen)):
+            return "closed"
         seen = seen.__cause__
-    return False
+    return ""
 
 
 def beat(run_dir: Path | None, rank: int, repeat: int, where: str) -> None:
@@ -60,7 +61,7 @@ def beat(run_dir: Path | None, rank: int, repeat: int, where: str) -> None:
 def write_error(run_dir: Path, rank: int, exc: BaseException, text: str) -> None:
     """A failing rank's last words, for the local launcher."""
     (run_dir / f"error.rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "error": text, "symptom": is_symptom(exc), "time": time.time()}))
+        "rank": rank, "error": text, "symptom": symptom(exc), "time": time.time()}))
 
 
 @dataclass
@@ -137,14 +138,18 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
 
     In order: the launcher's own reason (a signal to it); a rank that died
     without saying why (a signal, `os._exit`); a rank's own error; no progress at
-    all; a rank still running, silent, while its peers timed out on it; the
-    earliest symptom.
+    all; a rank its peers timed out on: one still running without an error, else the
+    one their timeouts name, else one that only saw its peers go away; the earliest
+    symptom.
     """
     errors, beats = _errors(run_dir), _beats(run_dir)
     own = sorted((e for e in errors.values() if not e["symptom"]), key=lambda e: e["time"])
     hard = [r for r, c in ending.exits.items() if c != 0 and r not in errors]
     symptoms = sorted((e for e in errors.values() if e["symptom"]), key=lambda e: e["time"])
-    silent = [r for r in ending.alive if r not in errors]
+    timeouts = [e for e in symptoms if e["symptom"] == "timeout"]
+    hung = [r for r in ending.alive if r not in errors] + [  # silent; named; saw peers go
+        r for r in _named(timeouts) if r in errors] + [
+        e["rank"] for e in symptoms if e["symptom"] == "closed"]
     if ending.interrupt:
         text, rank = ending.interrupt, None
     elif hard:
@@ -154,10 +159,10 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
         text, rank = own[0]["error"], own[0]["rank"]
     elif ending.stall:
         text, rank = ending.stall, None
-    elif symptoms and silent:
-        rank = silent[0]
-        text = (f"rank {rank} hung{where(run_dir, rank)}: still running, with no error, "
-                f"when its peers timed out; {symptoms[0]['error']}")
+    elif timeouts and hung:
+        rank = hung[0]
+        text = (f"rank {rank} hung{where(run_dir, rank)}: its peers timed out waiting on it; "
+                f"{timeouts[0]['error']}")
     elif symptoms:
         text, rank = symptoms[0]["error"], symptoms[0]["rank"]
     else:
@@ -167,6 +172,13 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
         return text, beats[rank][0]
     worker_repeats = [b[0] for r, b in beats.items() if r < workers]
     return text, max(worker_repeats) if worker_repeats else None
+
+
+def _named(timeouts: list[dict]) -> list[int]:
+    """The ranks that timeouts name as the peer that did not answer (not themselves)."""
+    found = (re.search(r"parameter server rank (\d+)", e["error"]) for e in timeouts)
+    return [int(m.group(1)) for e, m in zip(timeouts, found)
+            if m and int(m.group(1)) != e["rank"]]
 
 
 def record(cfg: DictConfig, *, entry: str, run_id: str, repeat: int | None, error: str) -> None:

@@ -324,7 +324,7 @@ def _rank_failed(cfg: DictConfig, entry: str, ctx: Context | None, *, rank: int,
     print(f"ddlbench: {text}\n{traceback.format_exc()}", file=sys.stderr)
     if run_dir is not None:
         failure.write_error(run_dir, rank, exc, text)
-    elif run_id is not None and not (failure.is_symptom(exc) and "DDLBENCH_RUN_ID" in os.environ):
+    elif run_id is not None and not (failure.symptom(exc) and "DDLBENCH_RUN_ID" in os.environ):
         failure.record(cfg, entry=entry, run_id=run_id, repeat=ctx.repeat if ctx else None,
                        error=text)
 

@@ -35,9 +35,11 @@ SERVER.__cause__ = TIMEOUT
      "rank 1: ValueError: bad shape", 1),
     # a silent rank that kept running while its peers timed out on it hung
     (Ending(1, {0: 1}, alive=[1]), {0: (TIMEOUT, 1)}, "rank 1 hung at repeat 1, iteration 4", 1),
-    # a server that hung: the workers' symptom names it, wrapped or not
+    # a server that hung: the workers timed out on it (wrapped errors), and it saw them go
     (Ending(1, {0: 1, 1: 1}, alive=[2]), {0: (SERVER, 1), 1: (SERVER, 2)},
      "rank 2 hung", 1),
+    (Ending(1, {0: 1, 1: 1, 2: 1}), {0: (RESET, 1), 1: (SERVER, 2), 2: (RESET, 2.1)},
+     "rank 2 hung at repeat 0, serving round 40: its peers timed out", 1),
     # the launcher's own reason comes first
     (Ending(130, {}, alive=[0, 1, 2], interrupt="the launcher was interrupted"), {},
      "the launcher was interrupted", 1),
@@ -51,10 +53,10 @@ def test_the_row_names_the_first_cause(tmp_path: Path, ending, errors, expect, r
 
 
 def test_symptoms_are_told_from_causes() -> None:
-    assert failure.is_symptom(RESET) and failure.is_symptom(TIMEOUT)
-    assert failure.is_symptom(SERVER)  # through its __cause__
-    assert not failure.is_symptom(RuntimeError("injected fault at iteration 4"))
-    assert not failure.is_symptom(OSError(28, "No space left on device"))
+    assert failure.symptom(RESET) == "closed" and failure.symptom(TIMEOUT) == "timeout"
+    assert failure.symptom(SERVER) == "timeout"  # through its __cause__
+    assert failure.symptom(RuntimeError("injected fault at iteration 4")) == ""
+    assert failure.symptom(OSError(28, "No space left on device")) == ""
 
 
 def _cfg(tmp_path: Path):
