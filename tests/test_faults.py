@@ -27,7 +27,7 @@ RUN = ["model=bert_tiny", f"run.warmup_iters={WARMUP}", f"run.timed_iters={TIMED
        "run.repeats=2"]
 SECOND_REPEAT = WARMUP + TIMED + 2  # run.fault.at_iter of an iteration in the second repeat
 METHODS = ("bsp_a2a", "wfbp_ps", "bytescheduler_a2a")  # all-reduce, PS, ByteScheduler
-HANG_TIMEOUT_S = 20  # run.timeout_s of hangs: short, yet above a loaded machine's start-up skew
+HANG_TIMEOUT_S = 30  # run.timeout_s of hangs: short, yet above a loaded machine's start-up skew
 
 
 @dataclass(eq=False)  # hashable by identity: a key of FAULTS
