@@ -75,14 +75,13 @@ class Ending:
     stall: str = ""      # the watchdog's finding, when no rank made progress
 
 
-def _beats(run_dir: Path) -> dict[int, tuple[int, str, float]]:
-    """Each rank's last beat: (repeat, where, seconds ago)."""
+def _beats(run_dir: Path) -> dict[int, tuple[int, str]]:
+    """Each rank's last beat: (repeat, where)."""
     out = {}
     for path in run_dir.glob("beat.rank*"):
         try:
             repeat, where = path.read_text().split("\t", 1)
-            out[int(path.name.removeprefix("beat.rank"))] = (
-                int(repeat), where, time.time() - path.stat().st_mtime)
+            out[int(path.name.removeprefix("beat.rank"))] = (int(repeat), where)
         except (OSError, ValueError):
             continue
     return out
@@ -100,8 +99,15 @@ def _errors(run_dir: Path) -> dict[int, dict]:
 
 
 def last_progress(run_dir: Path, *, since: float) -> float:
-    """When any rank last beat (wall clock), or `since` if later."""
-    return max([since, *(time.time() - ago for _, _, ago in _beats(run_dir).values())])
+    """When any rank last beat (wall clock), or `since` if later: the beats' mtimes, read
+    on every poll of the launcher without opening them."""
+    times = [since]
+    for path in run_dir.glob("beat.rank*"):
+        try:
+            times.append(path.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times)
 
 
 def symptoms_only(run_dir: Path, ranks: list[int]) -> bool:
@@ -110,15 +116,19 @@ def symptoms_only(run_dir: Path, ranks: list[int]) -> bool:
     return all(r in errors and errors[r]["symptom"] for r in ranks)
 
 
-def where(run_dir: Path, rank: int) -> str:
-    beat = _beats(run_dir).get(rank)
+def _at(beat: tuple[int, str] | None) -> str:
     return f" at repeat {beat[0]}, {beat[1]}" if beat else " while starting"
+
+
+def where(run_dir: Path, rank: int) -> str:
+    """Where `rank` last said it was, as " at repeat R, <where>"."""
+    return _at(_beats(run_dir).get(rank))
 
 
 def stalled(run_dir: Path, *, idle_s: float, ranks: int) -> str:
     """The launcher's reason when no rank has beaten for `idle_s`."""
     beats = _beats(run_dir)
-    last = "; ".join(f"rank {r}{where(run_dir, r)}" for r in sorted(beats)[:4]) or "none"
+    last = "; ".join(f"rank {r}{_at(beats[r])}" for r in sorted(beats)[:4]) or "none"
     return (f"no rank made progress for {idle_s:.0f} s (run.timeout_s plus grace); "
             f"last progress: {last}"
             + (f" (of {ranks} ranks)" if len(beats) > 4 else ""))
@@ -154,14 +164,14 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
         text, rank = ending.interrupt, None
     elif hard:
         rank = hard[0]
-        text = f"rank {rank} {_how(ending.exits[rank])}{where(run_dir, rank)}"
+        text = f"rank {rank} {_how(ending.exits[rank])}{_at(beats.get(rank))}"
     elif own:
         text, rank = own[0]["error"], own[0]["rank"]
     elif ending.stall:
         text, rank = ending.stall, None
     elif timeouts and hung:
         rank = hung[0]
-        text = (f"rank {rank} hung{where(run_dir, rank)}: its peers timed out waiting on it; "
+        text = (f"rank {rank} hung{_at(beats.get(rank))}: its peers timed out waiting on it; "
                 f"{timeouts[0]['error']}")
     elif symptoms:
         text, rank = symptoms[0]["error"], symptoms[0]["rank"]
