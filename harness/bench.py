@@ -12,11 +12,11 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,8 +30,8 @@ from harness import results
 from harness.config import to_json
 from harness.launch import Context
 from harness.ranks import num_servers, num_workers
+from harness.timing import PHASES, Clock, timed_window
 
-PHASES = ("forward_s", "backward_s", "comm_s", "update_s")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -57,11 +57,6 @@ def plain_training(model_cfg: DictConfig, *, seed: int, device: torch.device, ra
     return model, make_optimizer(model, model_cfg.optimizer), models.move_batch(batch, device)
 
 
-def device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, methods.Method,
                                                                  torch.optim.Optimizer]:
     """A fresh model (weights from `seed`) wrapped by the configured method, and its optimizer."""
@@ -73,18 +68,16 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
 
 
 def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.optim.Optimizer,
-                    batch: models.Batch, device: torch.device) -> list[float]:
-    """One training iteration; returns the wall-clock time of each phase in PHASES."""
-    stamps = [time.perf_counter()]
+                    batch: models.Batch, clock: Clock) -> None:
+    """One training iteration, marking `clock` after forward, backward and synchronize."""
     loss = model(batch)
-    for phase in (loss.backward, method.synchronize, lambda: method.step(optimizer)):
-        device_sync(device)
-        stamps.append(time.perf_counter())
-        phase()
-    device_sync(device)
-    stamps.append(time.perf_counter())
+    clock.mark()
+    loss.backward()
+    clock.mark()
+    method.synchronize()
+    clock.mark()
+    method.step(optimizer)
     method.zero_grad()
-    return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
@@ -98,70 +91,79 @@ def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
     raise RuntimeError(f"injected fault at iteration {iteration}")
 
 
-def timed_window(step: Callable[[], list[float]], *, iters: int, drain: Callable[[], None],
-                 device: torch.device, group: dist.ProcessGroup | None = None
-                 ) -> tuple[float, list[float], list[list[float]]]:
-    """Barrier of the workers' `group`, `iters` steps, `drain` (the method's: no
-    communication left in flight); returns (window_s, iteration times, what each step
-    returned: its phase times)."""
-    dist.barrier(group=group)
-    device_sync(device)
-    start = last = time.perf_counter()
-    iter_times, phases = [], []
-    for _ in range(iters):
-        phases.append(step())
-        now = time.perf_counter()
-        iter_times.append(now - last)
-        last = now
-    drain()
-    device_sync(device)
-    window = time.perf_counter() - start
-    iter_times[-1] += window - (last - start)  # the drain belongs to the last iteration
-    return window, iter_times, phases
-
-
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank for `python -m harness.run`."""
     if not ctx.is_worker:
         serve_until_done(cfg, ctx)
         return
-    info = models.describe(cfg.model.family, cfg.model.build) if ctx.rank == 0 else {}
-    hosts = _gather(socket.gethostname(), ctx)
+    # On every rank, before any repeat: describing the model (on the meta device) also
+    # does the model libraries' first imports, whose frames can be kept in reference
+    # cycles (torch.fx); made inside a repeat, they would keep its model alive.
+    info = models.describe(cfg.model.family, cfg.model.build)
+    hosts = _gather((socket.gethostname(), device_name(ctx.device)), ctx)
     done = 0  # iterations over all repeats (run.fault.at_iter counts these)
     for repeat in range(cfg.run.repeats):
-        ctx.repeat, first = repeat, done
-        ctx.beat("building the model and method")
-        model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed + repeat)
-        batch = models.move_batch(
-            model_of(model).make_batch(cfg.model.local_batch_size,
-                                       batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
-
-        def step() -> list[float]:
-            nonlocal done
-            ctx.beat(f"iteration {done - first}")  # noqa: B023
-            inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
-            done += 1
-            return train_iteration(model, method, optimizer, batch, ctx.device)  # noqa: B023
-
-        for _ in range(cfg.run.warmup_iters):
-            step()
-        method.drain()
-        window, iter_times, phases = timed_window(step, iters=cfg.run.timed_iters,
-                                                  drain=method.drain, device=ctx.device,
-                                                  group=ctx.worker_group)
-        ctx.beat("gathering the timings")
-        per_rank = _gather((window, iter_times, phases), ctx)
-        method.close()
+        ctx.repeat = repeat
+        per_rank, plan, done = run_repeat(cfg, ctx, done=done)
         if ctx.rank == 0:
             ctx.beat("writing the shard")
-            row = _row(cfg, ctx, repeat=repeat, per_rank=per_rank, hosts=hosts,
-                       plan=method.plan(), info=info)
+            row = _row(cfg, ctx, repeat=repeat, per_rank=per_rank, hosts=hosts, plan=plan,
+                       info=info)
             path = results.shard_path(cfg.results_dir, ctx.run_id, repeat)
             results.write_shard(path, [row])
             print(f"[{ctx.run_id}] repeat {repeat + 1}/{cfg.run.repeats}: "
                   f"{row['throughput']:.1f} samples/s -> {path}", flush=True)
     if ctx.num_servers:
         methods.stop_servers(num_workers=ctx.num_workers)
+
+
+def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict, int]:
+    """One repeat on this worker: a fresh model and method, warm-up, the timed window.
+
+    Returns every worker's (window, iteration times, phases, peak memory), the plan
+    and the iterations done over all repeats. Everything the repeat built is
+    released when this returns (nothing of it is in a reference cycle), so the
+    next repeat's model never sits beside this one's.
+    """
+    first = done
+    ctx.beat("building the model and method")
+    reset_peak_memory(ctx.device)
+    model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed + ctx.repeat)
+    batch = models.move_batch(
+        model_of(model).make_batch(cfg.model.local_batch_size,
+                                   batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
+
+    def step(clock: Clock) -> None:
+        nonlocal done
+        ctx.beat(f"iteration {done - first}")
+        inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
+        done += 1
+        train_iteration(model, method, optimizer, batch, clock)
+
+    for _ in range(cfg.run.warmup_iters):
+        step(Clock(ctx.device))
+    method.drain()
+    window = timed_window(step, iters=cfg.run.timed_iters, drain=method.drain,
+                          device=ctx.device, group=ctx.worker_group)
+    ctx.beat("gathering the timings")
+    per_rank = _gather((window.seconds, window.iter_times, window.phases,
+                        peak_memory(ctx.device)), ctx)
+    plan = method.plan()
+    method.close()
+    return per_rank, plan, done
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the repeat's peak of allocated GPU memory on GPUs; on CPUs the process's
+    peak resident memory so far (it never goes down)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def serve_until_done(cfg: DictConfig, ctx: Context) -> None:
@@ -187,19 +189,22 @@ def _gather(obj, ctx: Context) -> list:
     return out
 
 
-def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: list[str],
+def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: list,
          plan: dict, info: dict) -> dict:
-    windows = [w for w, _, _ in per_rank]
-    rank_iters = [it for _, it, _ in per_rank]
-    phase_means = torch.tensor([p for _, _, p in per_rank], dtype=torch.float64).mean(dim=(0, 1))
+    windows = [w for w, _, _, _ in per_rank]
+    rank_iters = [it for _, it, _, _ in per_rank]
+    phase_means = torch.tensor([p for _, _, p, _ in per_rank], dtype=torch.float64).mean(
+        dim=(0, 1))
     samples = ctx.num_workers * cfg.model.local_batch_size * cfg.run.timed_iters
     return {
         **identity(cfg, run_id=ctx.run_id, repeat=repeat), **info,
         "throughput": samples / max(windows), "timed_s": max(windows),
         "iter_times_s": [max(ts) for ts in zip(*rank_iters)], "rank_iter_times_s": rank_iters,
         **dict(zip(PHASES, phase_means.tolist())),
+        "peak_memory_bytes": max(m for _, _, _, m in per_rank),
         "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
-        "hostnames": hosts, "plan_json": json.dumps(plan),
+        "hostnames": [h for h, _ in hosts], "devices": [d for _, d in hosts],
+        "plan_json": json.dumps(plan),
     }
 
 
@@ -212,12 +217,34 @@ def identity(cfg: DictConfig, *, run_id: str, repeat: int) -> dict:
         "servers": num_servers(cfg), "repeat": repeat,
         "local_batch_size": cfg.model.local_batch_size, "source": "measured",
         "warmup_iters": cfg.run.warmup_iters, "timed_iters": cfg.run.timed_iters,
-        "seed": cfg.run.seed, "git_commit": git_commit(), "torch_version": torch.__version__,
+        "seed": cfg.run.seed, "git_commit": git_commit(), **software(),
         "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "config_json": to_json(cfg),
     }
+
+
+def software() -> dict:
+    """What changes GPU throughput besides the configuration: versions, the numerics in
+    force (harness.launch.device_settings applied run.tf32_*), NCCL_* / GLOO_* settings."""
+    cudnn = torch.backends.cudnn.version()
+    return {
+        "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+        "cudnn_version": str(cudnn) if cudnn else None, "nccl_version": _nccl_version(),
+        "tf32_matmul": torch.backends.cuda.matmul.fp32_precision == "tf32",
+        "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "comm_env_json": json.dumps({k: v for k, v in sorted(os.environ.items())
+                                     if k.startswith(("NCCL_", "GLOO_"))}),
+    }
+
+
+def _nccl_version() -> str | None:
+    if not (torch.version.cuda and dist.is_nccl_available()):
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def device_name(device: torch.device) -> str:

@@ -117,10 +117,17 @@ def check_fit(cfg: DictConfig, *, local: bool) -> None:
                           f"machine has {have:.0f} MB available; {fix}")
 
 
-def check_devices(cluster: DictConfig) -> None:
-    """The devices and backend the cluster asks for exist on this machine."""
+def check_devices(cluster: DictConfig, *, local: bool) -> None:
+    """The devices and backend the cluster asks for exist on this machine; `local`: the
+    harness starts every rank here. Else (a login node, srun, torchrun) nothing of this
+    machine is checked: each rank picks the GPU its task sees, or fails naming it."""
     import torch
 
+    if cluster.gloo_ifname is not None and cluster.name == "emulated":
+        raise ConfigError("cluster.gloo_ifname is set by the emulated network itself; "
+                          "remove the override")
+    if not local:  # a login node, or a rank that finds its GPU itself (launch.pick_device)
+        return
     if cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
     if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":

@@ -261,7 +261,7 @@ def validate(cfg: DictConfig, *, simulate: bool = False) -> None:
         checks.check_fit(cfg, local=cfg.simulate.compute == "measured" and checks.spawns_here(cfg))
         return
     checks.check_fit(cfg, local=checks.spawns_here(cfg))
-    checks.check_devices(cfg.cluster)
+    checks.check_devices(cfg.cluster, local=checks.spawns_here(cfg))
     checks.check_links(cfg)
 
 

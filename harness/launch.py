@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import datetime as dt
 import importlib
+import itertools
 import os
 import signal
 import socket
@@ -98,7 +99,7 @@ def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
     ext = external_rank()
     if ext is None:
         return _launch_local(cfg, entry=entry)
-    code, run_id = _run_rank(cfg, entry=entry, run_id=None, run_dir=None, **ext)
+    code, run_id = _run_rank(cfg, entry=entry, run_id=None, run_dir=None, placed=True, **ext)
     return code, run_id if ext["rank"] == 0 else None
 
 
@@ -246,31 +247,77 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             time.sleep(POLL_S)
 
 
-def torch_threads(cfg: DictConfig, local_world_size: int) -> int:
+def torch_threads(cfg: DictConfig, local_world_size: int, *, placed: bool = False) -> int:
+    """Threads of one rank: run.threads, else the CPUs srun gave this task (not divided
+    again), else this machine's cores shared by its local processes."""
     if cfg.run.threads:
         return cfg.run.threads
     cores = len(os.sched_getaffinity(0))
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK")
+    if placed and per_task and "SLURM_STEP_ID" in os.environ:
+        return max(1, min(int(per_task), cores))
     return max(1, cores // max(1, local_world_size))
 
 
+def group_backend(backend: str, *, worker: bool) -> str:
+    """The default group's backend on one rank. On NCCL runs CPU tensors (run-id
+    agreement, barriers, object collectives, PS messages, order messages, profile
+    reductions) travel over Gloo and CUDA tensors over NCCL; parameter servers, CPU
+    processes perhaps on nodes without GPUs, hold Gloo alone and so never create a CUDA
+    context. (Gloo's rendezvous keys are per device type, so both sides meet.)"""
+    if backend != "nccl":
+        return backend
+    return "cpu:gloo,cuda:nccl" if worker else "cpu:gloo"
+
+
+def pick_device(device_type: str, *, worker: bool, local_rank: int, visible: int
+                ) -> torch.device:
+    """A rank's device: servers and CPU runs the CPU; a GPU worker the one GPU its task
+    sees (Slurm's --gpus-per-task / --gpu-bind), else GPU `local_rank` of the node's."""
+    if device_type != "cuda" or not worker:
+        return torch.device("cpu")
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if not 0 <= local_rank < visible:
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU of its own: this process sees {visible} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give "
+            "each task one GPU (srun --gpus-per-task=1) or each node one GPU per worker")
+    return torch.device("cuda", local_rank)
+
+
+def device_settings(run: DictConfig) -> None:
+    """Apply run.tf32_matmul, run.tf32_cudnn and run.cudnn_benchmark (torch's defaults:
+    false, true, false) before any model is built."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if run.tf32_matmul else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if run.tf32_cudnn else "ieee"
+    torch.backends.cudnn.benchmark = run.cudnn_benchmark
+
+
 def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path | None,
-              rank: int, world_size: int, local_rank: int, local_world_size: int
-              ) -> tuple[int, str | None]:
-    """Be one rank: rendezvous, run the entry's worker, report a failure as data."""
+              rank: int, world_size: int, local_rank: int, local_world_size: int,
+              placed: bool = False) -> tuple[int, str | None]:
+    """Be one rank: rendezvous, run the entry's worker, report a failure as data.
+    `placed`: torchrun or srun started this process (else the local launcher)."""
     failure.beat(run_dir, rank, 0, "starting")
     module = importlib.import_module(entry)
-    device_type = resolve_device(cfg.cluster)
+    worker = rank < num_workers(cfg)
     backend = resolve_backend(cfg.cluster)
-    on_gpu = device_type == "cuda" and rank < num_workers(cfg)  # servers are CPU processes
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.set_num_threads(torch_threads(cfg, local_world_size))
     ctx = None
     try:
+        device = pick_device(resolve_device(cfg.cluster), worker=worker, local_rank=local_rank,
+                             visible=torch.cuda.device_count() if worker else 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.set_num_threads(torch_threads(cfg, local_world_size, placed=placed))
+        device_settings(cfg.run)
+        if cfg.cluster.gloo_ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = cfg.cluster.gloo_ifname
         failure.beat(run_dir, rank, 0, "joining the process group")
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=dt.timedelta(seconds=cfg.run.timeout_s))
+        timeout = dt.timedelta(seconds=cfg.run.timeout_s)
+        dist.init_process_group(group_backend(backend, worker=worker), rank=rank,
+                                world_size=world_size, timeout=timeout,
+                                **_rendezvous(rank, world_size, timeout, placed=placed))
         run_id = run_id or _agree_run_id(cfg)
         workers = num_workers(cfg)
         ctx = Context(rank=rank, world_size=world_size, local_rank=local_rank,
@@ -291,6 +338,25 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal
         _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
         exit_now(1)  # peers may be stuck in a collective: do not wait for clean-up
+
+
+_STORE: list = []  # torchrun's or srun's store, kept for every launch of this process
+_LAUNCHES = itertools.count()
+
+
+def _rendezvous(rank: int, world_size: int, timeout: dt.timedelta, *, placed: bool) -> dict:
+    """How a rank meets its peers. A locally spawned rank runs one launch: env://.
+    A placed rank (torchrun, srun) may run several in a row (a sweep, harness.check),
+    and a process group made again on the same store would reuse its keys: a rank
+    arriving first would read a peer's previous, closed Gloo address. So each launch
+    gets keys of its own on one store kept for the process (every rank runs the same
+    launches in the same order, so they agree on the prefix)."""
+    if not placed:
+        return {"init_method": "env://"}
+    if not _STORE:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        _STORE.append(store)
+    return {"store": dist.PrefixStore(f"ddlbench/launch{next(_LAUNCHES)}", _STORE[0])}
 
 
 def exit_now(code: int) -> None:

@@ -40,8 +40,9 @@ from omegaconf import DictConfig
 
 from harness import checks, config, results
 from harness import run as harness_run
-from harness.bench import device_name, identity, plain_training, timed_window
+from harness.bench import device_name, identity, plain_training
 from harness.launch import Context, launch
+from harness.timing import Clock, timed_window
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 
@@ -118,17 +119,16 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     model, optimizer, batch = plain_training(cfg.model, seed=cfg.run.seed, device=ctx.device,
                                              rank=ctx.rank)
 
-    def step() -> list[float]:
+    def step(_clock: Clock | None = None) -> None:
         model(batch).backward()
         optimizer.step()
         optimizer.zero_grad()
-        return []
 
     for _ in range(cfg.run.warmup_iters):
         step()
-    window, iter_times, _ = timed_window(step, iters=cfg.run.timed_iters, drain=lambda: None,
-                                         device=ctx.device)
-    record_plain(cfg, window=window, iter_times=iter_times, ctx=ctx)
+    window = timed_window(step, iters=cfg.run.timed_iters, drain=lambda: None,
+                          device=ctx.device)
+    record_plain(cfg, window=window.seconds, iter_times=window.iter_times, ctx=ctx)
 
 
 def record_plain(cfg: DictConfig, *, window: float, iter_times: list[float],

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from harness import results
 from harness.launch import Context, command, exit_now
+from harness.timing import device_sync
 from methods.costmodel import least_squares, time_allreduce
 
 FOLDER = results.OTHER_DATA
@@ -36,11 +37,13 @@ def sizes(cfg: DictConfig) -> list[int]:
     return out
 
 
-def time_p2p(nbytes: int, *, rank: int, repeats: int) -> float:
-    """Median one-way seconds of `nbytes` between ranks 0 and 1 (ping-pong / 2)."""
-    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device) -> float:
+    """Median one-way seconds of `nbytes` between ranks 0 and 1 (ping-pong / 2), on the
+    workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do)."""
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
     samples = []
     for i in range(repeats + 1):
+        device_sync(device)
         start = time.perf_counter()
         if rank == 0:
             dist.send(buf, dst=1)
@@ -48,6 +51,7 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int) -> float:
         elif rank == 1:
             dist.recv(buf, src=0)
             dist.send(buf, dst=0)
+        device_sync(device)
         if i:  # the first round trip is a warm-up
             samples.append((time.perf_counter() - start) / 2)
     return statistics.median(samples) if samples else 0.0
@@ -55,14 +59,17 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int) -> float:
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
+    if not ctx.is_worker:  # a PS method's servers: nothing of theirs is measured
+        return
     rows = []
     for nbytes in sizes(cfg):
         ctx.beat(f"timing {nbytes} bytes")
         repeats = cfg.microbench.repeats
         if ctx.num_workers > 1:
-            rows.append(("p2p", nbytes, time_p2p(nbytes, rank=ctx.rank, repeats=repeats)))
-        rows.append(("allreduce", nbytes,
-                     time_allreduce(None, max(1, nbytes // 4), repeats=repeats)))
+            rows.append(("p2p", nbytes, time_p2p(nbytes, rank=ctx.rank, repeats=repeats,
+                                                 device=ctx.device)))
+        rows.append(("allreduce", nbytes, time_allreduce(
+            ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
     if ctx.rank == 0:
         frame = fitted(pd.DataFrame(rows, columns=["kind", "bytes", "seconds"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,

@@ -37,7 +37,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
-from harness.bench import device_sync, plain_training
+from harness.bench import plain_training
+from harness.timing import device_sync
 from methods.base import backward_order
 from methods.layerwise import module_layers
 

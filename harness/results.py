@@ -27,12 +27,14 @@ MODEL_INFO = ["model_params", "model_tensors", "model_intensity"]
 PARAMETERS = ["warmup_iters", "timed_iters", "seed"]
 METRICS = [
     "throughput", "timed_s", "iter_times_s", "rank_iter_times_s",
-    "forward_s", "backward_s", "comm_s", "update_s",
+    "forward_s", "backward_s", "comm_s", "update_s", "peak_memory_bytes",
 ]
 STATUS = ["status", "error"]
 PROVENANCE = [
     "git_commit", "torch_version", "backend", "device", "hostnames", "slurm_job_id",
-    "slurm_array_task_id", "started_at", "config_json", "plan_json",
+    "slurm_array_task_id", "started_at", "config_json", "plan_json", "devices",
+    "cuda_version", "cudnn_version", "nccl_version", "tf32_matmul", "tf32_cudnn",
+    "cudnn_benchmark", "comm_env_json",
 ]
 COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE
 
@@ -48,12 +50,16 @@ SCHEMA = pa.schema([
     ("iter_times_s", pa.list_(pa.float64())),
     ("rank_iter_times_s", pa.list_(pa.list_(pa.float64()))),
     ("forward_s", pa.float64()), ("backward_s", pa.float64()),
-    ("comm_s", pa.float64()), ("update_s", pa.float64()),
+    ("comm_s", pa.float64()), ("update_s", pa.float64()), ("peak_memory_bytes", pa.int64()),
     ("status", pa.string()), ("error", pa.string()),
     ("git_commit", pa.string()), ("torch_version", pa.string()), ("backend", pa.string()),
     ("device", pa.string()), ("hostnames", pa.list_(pa.string())),
     ("slurm_job_id", pa.string()), ("slurm_array_task_id", pa.string()),
     ("started_at", pa.string()), ("config_json", pa.string()), ("plan_json", pa.string()),
+    ("devices", pa.list_(pa.string())), ("cuda_version", pa.string()),
+    ("cudnn_version", pa.string()), ("nccl_version", pa.string()),
+    ("tf32_matmul", pa.bool_()), ("tf32_cudnn", pa.bool_()), ("cudnn_benchmark", pa.bool_()),
+    ("comm_env_json", pa.string()),
 ])
 assert SCHEMA.names == COLUMNS
 

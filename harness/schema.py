@@ -52,8 +52,9 @@ class SlurmConf:
     partition: str | None = None
     account: str | None = None
     time: str | None = "01:00:00"
-    gpus_per_node: int = 0
+    gpus_per_node: int | None = None  # None: one per worker when the device is cuda or auto
     cpus_per_task: int | None = None
+    mem: str | None = None  # --mem (per node), e.g. "64G"; None: Slurm's default
     colocate_servers: bool = True
     servers_per_node: int = 1
     max_parallel: int = 0
@@ -73,6 +74,7 @@ class ClusterConf:
     backend: str = "auto"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface of Gloo's (PS) traffic
     slurm: SlurmConf | None = None  # submission settings (harness.submit, cluster=slurm)
 
 
@@ -94,6 +96,9 @@ class RunConf:
     timeout_s: float = 300.0
     threads: int = 0
     force: bool = False   # true: lift the machine-fit limits (harness.checks)
+    tf32_matmul: bool = False    # torch's defaults: matmul in full fp32,
+    tf32_cudnn: bool = True      # cuDNN convolutions in TF32,
+    cudnn_benchmark: bool = False  # no cuDNN autotuning
     fault: FaultConf = field(default_factory=FaultConf)
 
 

@@ -12,14 +12,17 @@ Slurm arrays share one resource request, and arrays of heterogeneous jobs are no
 supported, so each shape is one array with one task per configuration. A task reads its
 overrides and rank placement from files written here, and `srun` starts one
 `python -m harness.run` per rank (workers, then parameter servers). The Slurm settings
-are `cluster.slurm.*` of conf/cluster/slurm.yaml. Bad input is one line, exit code 2,
-and nothing is submitted.
+are `cluster.slurm.*` of conf/cluster/slurm.yaml. GPUs are checked against the
+partition (`sinfo`), not this login node: `cluster.slurm.gpus_per_node` null requests one
+GPU per worker where the runs use GPUs (cluster.device=cuda, or auto on a partition with
+GPUs). Bad input is one line, exit code 2, and nothing is submitted.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import difflib
+import re
 import shlex
 import shutil
 import subprocess
@@ -40,10 +43,25 @@ IDENTITY = ("model", "method", "nodes", "workers_per_node", "servers", "network"
 
 @dataclass(frozen=True)
 class Shape:
-    """The resources of one array: every task gets `nodes` nodes x `tasks_per_node` ranks."""
+    """The resources of one array: every task gets `nodes` nodes x `tasks_per_node` ranks
+    and `gpus_per_node` GPUs on each node."""
 
     nodes: int
     tasks_per_node: int
+    gpus_per_node: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"n{self.nodes}x{self.tasks_per_node}" + (
+            f"g{self.gpus_per_node}" if self.gpus_per_node else "")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What submission checks of a partition, from `sinfo`."""
+
+    nodes: int
+    gpus_per_node: int  # the most GPUs (gres gpu) of any of its nodes; 0 = none
 
 
 @dataclass
@@ -54,11 +72,12 @@ class Task:
     cfg: DictConfig
     slurm: DictConfig  # cluster.slurm: only submission reads it
     layout: list[int]  # node index (in the allocation) of each rank: workers, then servers
+    gpus: int = 0  # GPUs per node to request: set by `check_gpus`
 
     @property
     def shape(self) -> Shape:
         counts = [self.layout.count(n) for n in range(max(self.layout) + 1)]
-        return Shape(nodes=len(counts), tasks_per_node=max(counts))
+        return Shape(nodes=len(counts), tasks_per_node=max(counts), gpus_per_node=self.gpus)
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -127,7 +146,8 @@ def pending(tasks: list[Task]) -> tuple[list[Task], list[Task]]:
 
 
 def load_tasks(overrides: list[str]) -> list[Task]:
-    """Compose, validate and place every configuration of the sweep."""
+    """Compose, validate and place every configuration of the sweep (GPUs are not looked
+    for on this machine: `check_gpus` checks the partition's)."""
     tasks = []
     jobs = config.sweep(overrides)
     for job, cfg in zip(jobs, config.load_all(jobs)):
@@ -142,10 +162,20 @@ def load_tasks(overrides: list[str]) -> list[Task]:
 
 def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
     """The cluster.slurm rules that need no Slurm to check."""
+    if slurm.gpus_per_node is not None and slurm.gpus_per_node < 0:
+        raise config.ConfigError(f"cluster.slurm.gpus_per_node={slurm.gpus_per_node} is "
+                                 "invalid; use null (one per worker), 0 (CPU nodes) or more")
+    if cfg.cluster.device == "cuda" and slurm.gpus_per_node == 0:
+        raise config.ConfigError(
+            "cluster.device=cuda but cluster.slurm.gpus_per_node=0 requests no GPUs; set it "
+            "to null (one per worker) or a count, or use cluster.device=cpu")
     if slurm.gpus_per_node and cfg.cluster.workers_per_node > slurm.gpus_per_node:
         raise config.ConfigError(
             f"cluster.workers_per_node={cfg.cluster.workers_per_node} exceeds "
             f"cluster.slurm.gpus_per_node={slurm.gpus_per_node}; one GPU per worker")
+    if slurm.mem is not None and not re.fullmatch(r"\d+[KMGT]?", str(slurm.mem), re.I):
+        raise config.ConfigError(f"cluster.slurm.mem={slurm.mem!r} is invalid; use Slurm's "
+                                 "--mem form: a size in MB or with a K, M, G or T suffix (64G)")
     if not slurm.colocate_servers and slurm.servers_per_node < 1:
         raise config.ConfigError(f"cluster.slurm.servers_per_node={slurm.servers_per_node} "
                                  "is invalid; it must be >= 1")
@@ -160,21 +190,36 @@ def group(tasks: list[Task]) -> dict[Shape, list[Task]]:
     shapes: dict[Shape, list[Task]] = {}
     for task in tasks:
         shapes.setdefault(task.shape, []).append(task)
-    return dict(sorted(shapes.items(), key=lambda kv: (kv[0].nodes, kv[0].tasks_per_node)))
+    return dict(sorted(shapes.items(), key=lambda kv: (kv[0].nodes, kv[0].tasks_per_node,
+                                                       kv[0].gpus_per_node)))
 
 
-def partitions(slurm: DictConfig) -> dict[str, int]:
-    """Partition -> node count, from `sinfo` (the default partition also as '')."""
-    out = _slurm_command(["sinfo", "--noheader", "--format=%P %D"])
-    sizes: dict[str, int] = {}
-    for line in out.splitlines():
-        name, count = line.split()
-        default = name.endswith("*")
-        name = name.rstrip("*")
-        sizes[name] = sizes.get(name, 0) + int(count)
-        if default:
-            sizes[""] = sizes[name]
-    return sizes
+def partitions() -> dict[str, Partition]:
+    """Every partition by name, from `sinfo` (the default partition also as '')."""
+    out = _slurm_command(["sinfo", "--noheader", "--format=%P|%D|%G"])
+    found: dict[str, Partition] = {}
+    default = None
+    for line in out.splitlines():  # a partition has one line per group of alike nodes
+        name, count, gres = line.strip().split("|")
+        if name.endswith("*"):
+            name = default = name.rstrip("*")
+        seen = found.get(name, Partition(nodes=0, gpus_per_node=0))
+        found[name] = Partition(nodes=seen.nodes + int(count),
+                                gpus_per_node=max(seen.gpus_per_node, gres_gpus(gres)))
+    if default is not None:
+        found[""] = found[default]
+    return found
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs per node in a generic-resource string of `sinfo --format=%G`: 'gpu:4',
+    'gpu:a100:4(S:0-1)', 'gpu:a100:2,gpu:v100:2' (summed), '(null)' (none)."""
+    total = 0
+    for item in re.sub(r"\([^)]*\)", "", gres).split(","):
+        fields = item.strip().split(":")
+        if fields[0] == "gpu":
+            total += int(fields[-1]) if fields[-1].isdigit() else 1
+    return total
 
 
 def _slurm_command(argv: list[str]) -> str:
@@ -188,20 +233,69 @@ def _slurm_command(argv: list[str]) -> str:
     return out.stdout
 
 
-def check_cluster(slurm: DictConfig, shapes: list[Shape]) -> None:
-    """The partition exists and has enough nodes for the largest shape."""
-    sizes = partitions(slurm)
+def check_cluster(slurm: DictConfig, tasks: list[Task]) -> list[str]:
+    """The partition exists and has the nodes and GPUs every task needs; set each task's
+    GPU request (`check_gpus`) and return the notes to print."""
+    found = partitions()
     name = slurm.partition or ""
-    if name not in sizes:
-        known = ", ".join(sorted(k for k in sizes if k))
+    if name not in found:
+        known = ", ".join(sorted(k for k in found if k))
         raise config.ConfigError(f"cluster.slurm.partition={slurm.partition!r} is unknown; "
                                  f"choose one of: {known}")
-    need = max(s.nodes for s in shapes)
-    if need > sizes[name]:
+    part, label = found[name], repr(slurm.partition or "(default)")
+    need = max(t.shape.nodes for t in tasks)
+    if need > part.nodes:
         raise config.ConfigError(
-            f"a configuration needs {need} nodes but partition "
-            f"{slurm.partition or '(default)'!r} has {sizes[name]}; drop the larger "
-            "cluster.nodes or choose a bigger cluster.slurm.partition")
+            f"a configuration needs {need} nodes but partition {label} has {part.nodes}; "
+            "drop the larger cluster.nodes or choose a bigger cluster.slurm.partition")
+    return check_gpus(tasks, partition_gpus=part.gpus_per_node, label=label)
+
+
+def gpus_for(cfg: DictConfig, partition_gpus: int | None) -> int:
+    """GPUs per node a configuration requests: cluster.slurm.gpus_per_node, or where that
+    is null one per worker if the runs use GPUs: cluster.device=cuda, or auto and the
+    partition has GPUs (`partition_gpus`; None = not asked, a dry run: taken as yes)."""
+    asked = cfg.cluster.slurm.gpus_per_node
+    if asked is not None:
+        return asked
+    device = cfg.cluster.device
+    if device == "cuda" or (device == "auto" and partition_gpus != 0):
+        return cfg.cluster.workers_per_node
+    return 0
+
+
+def check_gpus(tasks: list[Task], *, partition_gpus: int | None, label: str) -> list[str]:
+    """Set every task's GPU request and check it against the partition's GPUs per node
+    (None: not asked); return the notes on runs of cluster.device=auto that use CPUs."""
+    notes: list[str] = []
+    for task in tasks:
+        cfg, task.gpus = task.cfg, gpus_for(task.cfg, partition_gpus)
+        asked = cfg.cluster.slurm.gpus_per_node
+        why = (f"cluster.slurm.gpus_per_node={asked}" if asked is not None else
+               f"one per worker, cluster.workers_per_node={cfg.cluster.workers_per_node}")
+        if partition_gpus is not None and task.gpus > partition_gpus:
+            raise config.ConfigError(
+                f"a configuration requests --gpus-per-node={task.gpus} ({why}) but partition "
+                f"{label} has {partition_gpus} GPUs per node; choose a partition with more "
+                "(cluster.slurm.partition), or lower cluster.workers_per_node")
+        if task.gpus == 0 and cfg.cluster.backend == "nccl":
+            raise config.ConfigError(f"cluster.backend=nccl needs GPUs but {_no_gpus(asked, label)}"
+                                     "; use cluster.backend=auto or gloo")
+        if task.gpus == 0 and cfg.cluster.device == "auto":
+            notes.append(f"{_no_gpus(asked, label)}, so the runs (cluster.device=auto) use "
+                         "CPUs; set cluster.device=cpu to say so, or request GPUs")
+        elif partition_gpus is None and asked is None and cfg.cluster.device == "auto":
+            notes.append("dry run, Slurm not asked: cluster.device=auto requests one GPU per "
+                         "worker; on a partition without GPUs submission requests none and "
+                         "the runs use CPUs")
+    return list(dict.fromkeys(notes))
+
+
+def _no_gpus(asked: int | None, label: str) -> str:
+    """Why a task requests no GPUs."""
+    if asked == 0:
+        return "cluster.slurm.gpus_per_node=0 requests none"
+    return f"partition {label} has none (no gpu gres in sinfo; cluster.slurm.partition)"
 
 
 def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_name: str,
@@ -210,15 +304,19 @@ def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_na
     options = [f"--partition={slurm.partition}" if slurm.partition else None,
                f"--account={slurm.account}" if slurm.account else None,
                f"--time={slurm.time}" if slurm.time else None,
-               f"--gpus-per-node={slurm.gpus_per_node}" if slurm.gpus_per_node else None,
+               f"--gpus-per-node={shape.gpus_per_node}" if shape.gpus_per_node else None,
                f"--cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else None,
+               f"--mem={slurm.mem}" if slurm.mem else None,
                *slurm.extra]
+    # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
+    srun = f"--cpus-per-task={slurm.cpus_per_task} " if slurm.cpus_per_task else ""
     values = {
         "job_name": job_name, "last_task": str(count - 1),
         "throttle": f"%{slurm.max_parallel}" if slurm.max_parallel else "",
         "nodes": str(shape.nodes), "tasks_per_node": str(shape.tasks_per_node),
         "log_dir": str(jobs_dir / "logs"), "jobs_dir": str(jobs_dir),
         "sbatch_options": "\n".join(f"#SBATCH {o}" for o in options if o),
+        "srun_options": srun,
         "workdir": shlex.quote(str(workdir)), "setup": slurm.setup or "",
         "python": shlex.quote(sys.executable),
     }
@@ -229,7 +327,7 @@ def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_na
 
 def write_array(tasks: list[Task], shape: Shape, *, root: Path, name: str) -> Path:
     """Write one array's task list, layout and script under `root`; return the script."""
-    jobs_dir = root / f"{name}-n{shape.nodes}x{shape.tasks_per_node}"
+    jobs_dir = root / f"{name}-{shape.label}"
     (jobs_dir / "logs").mkdir(parents=True, exist_ok=True)
     (jobs_dir / "tasks.txt").write_text("".join(shlex.join(t.overrides) + "\n" for t in tasks))
     (jobs_dir / "layout.txt").write_text("".join(" ".join(map(str, t.layout)) + "\n"
@@ -265,14 +363,13 @@ def main(argv: list[str]) -> int:
         dry_run = own.get("dry_run", "false").lower() == "true"
         tasks = load_tasks(overrides)
         todo, done = pending(tasks)
+        notes = check_slurm(todo, dry_run=dry_run) if todo else []
         arrays = group(todo)
-        if arrays and not dry_run:
-            check_cluster(todo[0].slurm, list(arrays))
-            if shutil.which("sbatch") is None:
-                _slurm_command(["sbatch"])
     except config.ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"ddlbench: note: {note}", file=sys.stderr)
     print(f"{len(tasks)} configurations: {len(done)} already complete (skipped), "
           f"{len(todo)} to run in {len(arrays)} job array(s)")
     if not arrays:
@@ -280,17 +377,32 @@ def main(argv: list[str]) -> int:
     return _dry_run(arrays) if dry_run else _submit(arrays, overrides)
 
 
+def check_slurm(todo: list[Task], *, dry_run: bool) -> list[str]:
+    """Check the tasks against the cluster (a dry run asks no Slurm) and set their GPU
+    requests; return the notes to print."""
+    if dry_run:
+        return check_gpus(todo, partition_gpus=None, label="(not asked)")
+    notes = check_cluster(todo[0].slurm, todo)
+    if shutil.which("sbatch") is None:
+        _slurm_command(["sbatch"])
+    return notes
+
+
 def _dry_run(arrays: dict[Shape, list[Task]]) -> int:
     root = Path(next(iter(arrays.values()))[0].slurm.jobs_dir) / "DRY-RUN"
     for shape, tasks in arrays.items():
-        name = f"DRY-RUN-n{shape.nodes}x{shape.tasks_per_node}"
+        name = f"DRY-RUN-{shape.label}"
         print(f"\n=== array {name}: {len(tasks)} tasks of {shape.nodes} node(s) x "
-              f"{shape.tasks_per_node} ranks ===")
+              f"{shape.tasks_per_node} ranks{_gpus(shape)} ===")
         print(script_text(tasks, shape, jobs_dir=root / name, name=name))
         for i, task in enumerate(tasks):
             print(f"  [{i}] {describe(task)}  ranks on nodes {task.layout}")
             print(f"       {shlex.join(task.overrides)}")
     return 0
+
+
+def _gpus(shape: Shape) -> str:
+    return f", {shape.gpus_per_node} GPUs per node" if shape.gpus_per_node else ""
 
 
 def _submit(arrays: dict[Shape, list[Task]], overrides: list[str]) -> int:
@@ -301,7 +413,8 @@ def _submit(arrays: dict[Shape, list[Task]], overrides: list[str]) -> int:
         script = write_array(tasks, shape, root=root, name=stamp)
         job_id = sbatch(script)
         print(f"submitted array {job_id}: {len(tasks)} tasks of {shape.nodes} node(s) x "
-              f"{shape.tasks_per_node} ranks; script {script}, logs {script.parent}/logs/")
+              f"{shape.tasks_per_node} ranks{_gpus(shape)}; script {script}, "
+              f"logs {script.parent}/logs/")
     return 0
 
 

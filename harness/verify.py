@@ -59,8 +59,9 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 def train(cfg: DictConfig, ctx: Context) -> tuple[torch.Tensor, float, dict]:
     """`verify.steps` steps of the method on this worker.
 
-    Returns this rank's parameters, their largest difference from rank 0's (the
-    same on every worker) and the method's plan. A collective of the workers.
+    Returns this rank's parameters (on the CPU: the trained model is gone from the
+    device when this returns), their largest difference from rank 0's (the same on
+    every worker) and the method's plan. A collective of the workers.
     """
     model, method, optimizer = build(cfg, ctx, seed=cfg.run.seed)
     for step in range(cfg.verify.steps):
@@ -79,7 +80,7 @@ def train(cfg: DictConfig, ctx: Context) -> tuple[torch.Tensor, float, dict]:
     dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=ctx.worker_group)
     plan = method.plan()
     method.close()
-    return mine, spread.item(), plan
+    return mine.cpu(), spread.item(), plan
 
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
@@ -87,12 +88,14 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     if not ctx.is_worker:
         serve_until_done(cfg, ctx)
         return
+    models.describe(cfg.model.family, cfg.model.build)  # first imports: see bench.worker
     mine, rank_diff, _ = train(cfg, ctx)
     if ctx.num_servers:
         methods.stop_servers(num_workers=ctx.num_workers)
     if ctx.rank != 0:
         return
-    ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device, beat=ctx.beat))
+    ref = flat_params(reference(cfg, workers=ctx.num_workers, device=ctx.device,
+                                beat=ctx.beat)).cpu()
     diff = (mine - ref).abs().max().item()
     close = torch.allclose(mine, ref, atol=cfg.verify.atol, rtol=cfg.verify.rtol)
     print(f"max_abs_diff={diff:.3e} max_rank_diff={rank_diff:.3e}", flush=True)

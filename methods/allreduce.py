@@ -7,18 +7,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from methods.base import GradBuffer
+from methods.base import GradBuffer, until_completed
 from methods.plan import Unit
 
 
 class _Pending:
-    __slots__ = ("work",)
+    __slots__ = ("work", "key", "timeout_s")
 
-    def __init__(self, work: dist.Work) -> None:
-        self.work = work
+    def __init__(self, work: dist.Work, *, key: int, timeout_s: float) -> None:
+        self.work, self.key, self.timeout_s = work, key, timeout_s
 
     def wait(self) -> None:
-        self.work.wait()
+        self.work.wait()  # NCCL: the current stream waits; Gloo: the sum is in place
+
+    def complete(self) -> None:
+        until_completed(self.work, timeout_s=self.timeout_s, what=f"the all-reduce of unit "
+                        f"{self.key}")
 
 
 class _Done:
@@ -27,6 +31,9 @@ class _Done:
     __slots__ = ()
 
     def wait(self) -> None:
+        pass
+
+    def complete(self) -> None:
         pass
 
 
@@ -48,6 +55,7 @@ class AllreduceTransport:
         self.rank = dist.get_rank(group)
         self.identity = self.size == 1  # one worker's gradient is already the average
         self.scale = 1.0 / self.size
+        self.timeout_s = 300.0 if timeout_s is None else timeout_s
 
     def open(self, buffer: GradBuffer, units: list[Unit]) -> None:
         """Collectives need no set-up per plan."""
@@ -57,7 +65,8 @@ class AllreduceTransport:
         # collectives are matched by issue order, which the scheduler keeps equal.
         if self.size == 1:
             return _Done()
-        return _Pending(dist.all_reduce(chunk, group=self.group, async_op=True))
+        work = dist.all_reduce(chunk, group=self.group, async_op=True)
+        return _Pending(work, key=key, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         pass

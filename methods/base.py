@@ -15,6 +15,7 @@ The training loop drives every method the same way:
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -22,9 +23,40 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+POLL_MAX_S = 1e-3  # longest sleep between two polls of a communication's completion
+
 
 class Handle(Protocol):
+    """One started unit. Two ways to wait for it, which differ on a GPU:
+
+    `wait()`: the unit's average is in place for work queued on the caller's current
+    stream from now on (on CPU: it is in place). On a GPU this may return before the
+    communication has run. `complete()`: return only once the communication has really
+    finished (its link is idle, its memory free); what limits in-flight data (a credit)
+    must use this one. Both raise the unit's communication error, and `complete()` a
+    TimeoutError after the transport's timeout.
+    """
+
     def wait(self) -> None: ...
+
+    def complete(self) -> None: ...
+
+
+def until_completed(work: Any, *, timeout_s: float, what: str) -> None:
+    """Block until `work` (a torch.distributed Work) has really finished, then raise its error.
+
+    `Work.wait()` on NCCL only makes the current stream wait; `is_completed()` queries
+    the collective's end (on Gloo's collectives it is True once done), so poll it,
+    sleeping a little longer each time, for at most `timeout_s` seconds. Not for Gloo's
+    point-to-point works: their `is_completed()` turns True only inside `wait()`.
+    """
+    deadline, pause = time.monotonic() + timeout_s, 1e-5
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not complete within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    work.wait()  # raises the communication's error, if it had one
 
 
 class Transport(Protocol):

@@ -52,7 +52,8 @@ class Engine(Method):
         self.buffer = GradBuffer(backward_order(model), scale=self.transport.scale)
         units = self.planner.plan(self.buffer.sizes, element_size=self._element_size())
         if getattr(self.planner, "profile_iters", 0):
-            self.profiler = BackwardProfiler(model, self.buffer.params)
+            self.profiler = BackwardProfiler(model, self.buffer.params,
+                                             device=self.buffer.flat.device)
             self._activate(units, AfterBackward(timeout_s=self.timeout_s))
         else:
             self._activate(units, self.scheduler)

@@ -6,8 +6,10 @@ forward). An issuer thread starts the highest-priority partition while fewer
 than `credit` elements are in flight (one always may go). A completer thread
 waits for partitions in issue order and, when a layer's last partition is back,
 applies that layer's update (methods/layerwise.py); the next forward of the
-layer waits only for that. `synchronize` and `step` therefore return at once;
-`drain` waits until every update is applied.
+layer waits only for that. A partition's credit comes back only once its
+communication has really finished (`Handle.complete`: on a GPU `wait` only
+orders the stream). `synchronize` and `step` therefore return at once; `drain`
+waits until every update is applied and nothing is in flight.
 
 With several ranks, rank 0 decides the issue order and the others follow it
 (methods/order.py). Collectives need that to be correct at all. PS messages
@@ -37,6 +39,21 @@ from methods.plan import Unit, size_in_elements
 JOIN_S = 10.0
 
 
+class Failure:
+    """The first error a communication thread met. The scheduler and its LayerUpdates share
+    it, so LayerUpdates holds no reference back to the scheduler (no cycle to collect)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def check(self) -> None:
+        """Raise the error a communication thread met, if any."""
+        if self.error is not None:
+            raise RuntimeError(f"communication failed: {self.error}") from self.error
+
+
 class Priority:
     """The priority scheduler with credit (Peng et al., SOSP 2019), as the study ran it."""
 
@@ -49,7 +66,7 @@ class Priority:
         self.credit_spec = (credit_elements, credit_bytes)
         self.hook_delay_s, self.delay_seed = hook_delay_s, delay_seed
         self.timeout_s = timeout_s
-        self.error: BaseException | None = None
+        self.failure = Failure()
         self.threads: list[threading.Thread] = []
         self.hooks: list[RemovableHandle] = []
 
@@ -59,7 +76,8 @@ class Priority:
                transport: Transport) -> None:
         self.buffer, self.units, self.transport = buffer, units, transport
         self.credit = self._credit(buffer.flat.element_size())
-        self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s, check=self.check)
+        self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s,
+                                   check=self.failure.check)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
         self.role = "local"
@@ -158,8 +176,8 @@ class Priority:
 
     def _fail(self, exc: BaseException) -> None:
         with self.cond:
-            if self.error is None:
-                self.error = exc
+            if self.failure.error is None:
+                self.failure.error = exc
             self.stopping = True
             self.cond.notify_all()
         self.layers.release()
@@ -206,30 +224,30 @@ class Priority:
         self.done.put((u, self.transport.start(self.buffer.slice(unit.start, unit.end), key=u)))
 
     def _complete(self) -> None:
-        """Wait for partitions in issue order; update each layer when its last one is back."""
+        """Wait for partitions in issue order; update each layer when its last one is back;
+        return a partition's credit once its communication has really finished."""
         while (item := self.done.get()) is not None:
             u, handle = item
-            handle.wait()
+            handle.wait()  # the update below, queued after this, reads the average
             layer = self.layer_of_unit[u]
             with self.cond:
-                self.inflight -= self.units[u].numel
                 self.remaining[layer] -= 1
                 finished = self.remaining[layer] == 0
                 if finished:
                     self.layer_iter[layer] = -1
-                self.cond.notify_all()
             if finished:
                 self.layers.apply(layer)
-                with self.cond:
-                    self.busy -= 1
-                    self.cond.notify_all()
+            handle.complete()
+            with self.cond:
+                self.inflight -= self.units[u].numel
+                self.busy -= int(finished)
+                self.cond.notify_all()
 
     # -- the training loop's calls (main thread) --------------------------------------
 
     def check(self) -> None:
         """Raise the error a communication thread met, if any."""
-        if self.error is not None:
-            raise RuntimeError(f"communication failed: {self.error}") from self.error
+        self.failure.check()
 
     def synchronize(self) -> None:
         """Nothing to wait for; send the gradients of unused parameters too."""
@@ -249,13 +267,15 @@ class Priority:
         """Each layer's gradients are released right after its update."""
 
     def drain(self) -> None:
+        """Return once every update is applied and no partition is in flight."""
         deadline = time.monotonic() + self.timeout_s
         with self.cond:
-            while self.busy and self.error is None:
+            while (self.busy or self.inflight) and self.failure.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{self.busy} layers still waited for their gradients "
-                                       f"after {self.timeout_s:g} s")
+                                       f"({self.inflight} elements in flight) after "
+                                       f"{self.timeout_s:g} s")
                 self.cond.wait(left)
         self.check()
 
@@ -266,10 +286,10 @@ class Priority:
         issuer, completer = self.threads or (None, None)
         if self.role == "leader":
             issuer.join(JOIN_S)
-            if self.error is None:
+            if self.failure.error is None:
                 self.order.close()
         elif issuer is not None:
-            issuer.join(JOIN_S if self.error is None else 0.1)
+            issuer.join(JOIN_S if self.failure.error is None else 0.1)
         if completer is not None:
             self.done.put(None)
             completer.join(JOIN_S)

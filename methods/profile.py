@@ -1,7 +1,10 @@
 """Layer-wise backward times, measured on the running job (MG-WFBP's input).
 
 The profiler stamps the start of backward (a hook on the model's output) and
-the moment each gradient is ready (the gradient hooks), per iteration. A
+the moment each gradient is ready (the gradient hooks), per iteration. On a
+GPU a hook runs when its kernels are queued, not when they have run, so each
+stamp first synchronizes the device (the profile runs only in the first
+iterations, during warm-up, where that stall is harmless). A
 tensor's backward time is how much later than the tensor before it (backward
 order) its gradient is ready; the median over the profiled iterations is
 agreed across ranks by an all-reduce mean, so every rank plans the same.
@@ -20,7 +23,9 @@ from torch.utils.hooks import RemovableHandle
 class BackwardProfiler:
     """Records when each gradient of `params` (backward order) is ready, per iteration."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter]) -> None:
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], *,
+                 device: torch.device) -> None:
+        self.device = device
         self.index = {p: i for i, p in enumerate(params)}
         self.n = len(params)
         self.iterations: list[list[float]] = []
@@ -30,15 +35,21 @@ class BackwardProfiler:
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _on_output(self, _module: nn.Module, _inputs, output) -> None:
-        self._start = time.perf_counter()  # if the output has no grad hook, backward ~ now
+        self._start = self._now()  # if the output has no grad hook, backward ~ now
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._on_backward_start)
 
     def _on_backward_start(self, _grad: torch.Tensor) -> None:
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        self._stamps[self.index[param]] = time.perf_counter()
+        self._stamps[self.index[param]] = self._now()
+
+    def _now(self) -> float:
+        """The time the work queued so far has run by (not just been queued by)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def end_iteration(self) -> None:
         """Close the iteration in progress: keep its gradient-ready times."""

@@ -31,6 +31,7 @@ class AfterBackward:
     def __init__(self, *, hook_delay_s: float = 0.0, delay_seed: int = 0,
                  timeout_s: float = 300.0) -> None:
         self.hook_delay_s = hook_delay_s  # no gradient hooks: nothing to delay
+        self.waited: list[Handle] = []  # awaited, but on a GPU perhaps still running
 
     def attach(
         self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit], transport: Transport
@@ -43,6 +44,7 @@ class AfterBackward:
         handles = [self._start(i) for i in range(len(self.units))]
         for h in handles:
             h.wait()
+        self.waited = handles
 
     def _start(self, i: int) -> Handle:
         unit = self.units[i]
@@ -55,7 +57,10 @@ class AfterBackward:
         self.buffer.release_all()
 
     def drain(self) -> None:
-        pass  # synchronize() already waited for everything
+        """synchronize() already waited for everything; on a GPU, let it really finish."""
+        for h in self.waited:
+            h.complete()
+        self.waited = []
 
     def close(self) -> None:
         pass
@@ -78,6 +83,7 @@ class OnReady(AfterBackward):
                  timeout_s: float = 300.0) -> None:
         self.hook_delay_s, self.delay_seed = hook_delay_s, delay_seed
         self.hooks: list[RemovableHandle] = []
+        self.waited: list[Handle] = []
 
     def attach(
         self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit], transport: Transport
@@ -125,6 +131,7 @@ class OnReady(AfterBackward):
             self._issue_one(u)
         for h in self.handles:
             h.wait()
+        self.waited = self.handles
         self._reset()
 
     def close(self) -> None:

@@ -74,7 +74,9 @@ def _memory_mb() -> int:
 
 
 def write_config(root: Path, *, partition: str) -> Path:
-    """slurm.conf for this host alone (CPUs = its cores), everything under `root`."""
+    """slurm.conf for this host alone, everything under `root`. CPUs are its cores but at
+    least 2 (config_overrides lets slurmd take the config's count), so an srun of 2
+    tasks (one per CPU, CR_CPU) fits on a 1-core machine too."""
     host = socket.gethostname().split(".")[0]
     ctld_port, slurmd_port = _free_ports(2)
     for sub in ("state", "spool", "log"):
@@ -105,8 +107,9 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 ReturnToService=2
+SlurmdParameters=config_overrides
 MaxArraySize=1001
-NodeName={host} CPUs={os.cpu_count()} RealMemory={_memory_mb()} State=UNKNOWN
+NodeName={host} CPUs={max(2, os.cpu_count() or 1)} RealMemory={_memory_mb()} State=UNKNOWN
 PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
     return conf

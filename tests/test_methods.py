@@ -7,6 +7,8 @@ BERT flavor (AdamW), with small partitions and credits so that tensors really
 are split, and random per-rank delays in the gradient hooks so that ranks see
 gradients at different times. After 3 steps the parameters must equal the
 single-process reference of harness.verify and be identical on every rank.
+Every job runs with the garbage collector off, and nothing the method, model and
+optimizer were made of may outlive `method.close()` (no reference cycles).
 
 Two workers sum exactly (a + b is the reference's g0 + g1), so there a ResNet
 at lr 0.1, whose ReLU and max-pool kinks turn any wrong bit into a visible
@@ -19,11 +21,14 @@ bsp_a2a included, meets it).
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import socket
 import time
 import traceback
+import weakref
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -32,7 +37,8 @@ import torch.multiprocessing as mp
 import yaml
 
 import methods
-from harness import config
+from harness import config, verify
+from harness.bench import build, model_of
 from harness.launch import Context
 from harness.verify import flat_params, reference, train
 from methods.costmodel import Cost, least_squares
@@ -223,8 +229,53 @@ def _summary(plan: dict) -> dict:
             "alpha_s": plan.get("alpha_s")}
 
 
+def _weak_parts(model: torch.nn.Module, method: methods.Method,
+                optimizer: torch.optim.Optimizer) -> dict[str, weakref.ref]:
+    """Weak references to a built job's objects, and to the method's own parts."""
+    parts = {"model": model, "module": model_of(model), "method": method,
+             "optimizer": optimizer}
+    for attr in ("buffer", "scheduler", "transport", "active", "profiler"):
+        if getattr(method, attr, None) is not None:
+            parts[f"method.{attr}"] = getattr(method, attr)
+    return {name: weakref.ref(obj) for name, obj in parts.items()}
+
+
+def _train_collector_off(cfg, ctx: Context) -> tuple[torch.Tensor, float, dict, list[str]]:
+    """harness.verify.train with the garbage collector off; also the names of what it built
+    that is still alive once it returned (after method.close(): nothing may be)."""
+    refs: dict[str, weakref.ref] = {}
+
+    def watched(*args, **kwargs):
+        built = build(*args, **kwargs)
+        refs.update(_weak_parts(*built))
+        return built
+
+    gc.collect()
+    gc.disable()
+    try:
+        with mock.patch.object(verify, "build", watched):
+            mine, spread, plan = train(cfg, ctx)
+        alive = sorted(name for name, ref in refs.items() if ref() is not None)
+    finally:
+        gc.enable()
+    return mine, spread, plan, alive if refs else ["(harness.verify.train built nothing)"]
+
+
+def _first_uses() -> None:
+    """Import torchvision and step each optimizer once: the first time, torch keeps the
+    calling frames (and the model or optimizer in them) alive, which is no method's fault."""
+    import torchvision  # noqa: F401
+
+    warm = torch.nn.Linear(1, 1)
+    warm(torch.ones(1)).sum().backward()
+    for opt in (torch.optim.SGD(warm.parameters(), lr=0.1, momentum=0.9),
+                torch.optim.AdamW(warm.parameters())):
+        opt.step()
+
+
 def _matrix_rank(rank: int, world: int, workers: int, port: int, out: str) -> None:
     """One process of the matrix: a server serves; a worker runs every job in turn."""
+    _first_uses()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=120))
@@ -238,14 +289,17 @@ def _matrix_rank(rank: int, world: int, workers: int, port: int, out: str) -> No
         started = time.perf_counter()
         cfg = config.load(overrides)
         try:
-            mine, spread, plan = train(cfg, ctx)
+            mine, spread, plan, alive = _train_collector_off(cfg, ctx)
+            everyone = [None] * workers
+            dist.all_gather_object(everyone, alive, group=ctx.worker_group)
         except Exception:  # noqa: BLE001 - recorded; the next job would hang, so stop
             results[f"{name}/{flavor}"] = {"error": traceback.format_exc()}
             break
         if rank == 0:
             results[f"{name}/{flavor}"] = {
                 **_compare(cfg, mine, refs, flavor, workers), "max_rank_diff": spread,
-                "seconds": time.perf_counter() - started, **_summary(plan)}
+                "seconds": time.perf_counter() - started, "alive": everyone,
+                **_summary(plan)}
     if ctx.num_servers:
         methods.stop_servers(num_workers=workers)
     if rank == 0:
@@ -302,6 +356,17 @@ def test_lossless(matrix, method: str, flavor: str) -> None:
         assert got["max_abs_diff"] == 0.0
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("flavor", ["resnet", "bert"])
+def test_nothing_outlives_close(matrix, method: str, flavor: str) -> None:
+    workers, servers, results = matrix
+    got = results.get(f"{method}/{flavor}")
+    assert got is not None and "error" not in got, f"{method} did not run"
+    alive = {rank: names for rank, names in enumerate(got["alive"]) if names}
+    assert not alive, f"{method} x{workers} {flavor}: alive after close() and del without a " \
+                      f"garbage collection, per rank: {alive}"
+
+
 def test_partitions_really_split_tensors_and_plans_are_recorded(matrix) -> None:
     workers, servers, results = matrix
     for key, got in results.items():
@@ -316,6 +381,63 @@ def test_partitions_really_split_tensors_and_plans_are_recorded(matrix) -> None:
             assert got["partitions"] > 1, (key, got)
         if name == "mgwfbp":
             assert got["groups"] and got["alpha_s"] is not None, (key, got)
+
+
+# -- one process: the schedulers' own machinery leaves no cycle ---------------------------
+
+ONE_PROCESS = [n for n in METHODS if not methods.uses_servers(
+    yaml.safe_load((REPO / "conf" / "method" / f"{n}.yaml").read_text()))]
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).square().mean()
+
+
+def _one_process_release(rank: int, world: int, port: int, out: str) -> None:
+    """Every method without servers on a one-rank group, the engine made to run its scheduler
+    (one worker's all-reduce is no move, so it would step aside); what outlives close()."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    _first_uses()
+    alive = {}
+    for name in ONE_PROCESS:
+        conf = yaml.safe_load((REPO / "conf" / "method" / f"{name}.yaml").read_text())
+        conf["planner"] |= {"profile_iters": 1, "fit_sizes": [64, 256], "fit_repeats": 1} \
+            if conf["planner"]["name"] == "mgwfbp" else {}
+        gc.collect()
+        gc.disable()
+        model = _Tiny()
+        method = methods.build(conf, group=None, device=torch.device("cpu"), timeout_s=30)
+        if hasattr(method, "transport"):
+            method.transport.identity = False
+        wrapped = method.wrap(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        refs = _weak_parts(wrapped, method, optimizer)
+        for _ in range(3):
+            wrapped(torch.ones(4, 8)).backward()
+            method.synchronize()
+            method.step(optimizer)
+            method.zero_grad()
+        method.drain()
+        method.close()
+        del model, method, wrapped, optimizer
+        alive[name] = sorted(n for n, ref in refs.items() if ref() is not None)
+        gc.enable()
+    Path(out).write_text(json.dumps(alive))
+    dist.destroy_process_group()
+
+
+def test_nothing_outlives_close_in_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "alive.json"
+    assert _spawn(_one_process_release, 1, _free_port(), str(out), timeout_s=120) == [0]
+    alive = json.loads(out.read_text())
+    assert sorted(alive) == sorted(ONE_PROCESS)
+    assert not {k: v for k, v in alive.items() if v}, alive
 
 
 # -- harness.verify end to end, every method --------------------------------------------

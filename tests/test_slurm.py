@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness import results
+from harness import config, results, submit
 from tests import slurm_cluster
-from tests.conftest import TINY, run_module
+from tests.conftest import REPO, TINY, run_module
 
 ARRAY_TIMEOUT_S = 420
 SMOKE = ["experiment=smoke", *TINY]
@@ -47,10 +49,19 @@ def _wait_for_queue(cluster: slurm_cluster.SlurmCluster, timeout: float) -> None
 def test_smoke_sweep_runs_as_arrays_and_resubmitting_reruns_nothing(slurm, tmp_path) -> None:
     res, jobs = tmp_path / "results", tmp_path / "jobs"
     args = [*SMOKE, f"results_dir={res}", f"cluster.slurm.jobs_dir={jobs}",
-            f"cluster.slurm.partition={slurm.partition}"]
+            f"cluster.slurm.partition={slurm.partition}", "cluster.slurm.cpus_per_task=1",
+            "cluster.slurm.mem=1G"]
     out = _submit(slurm, *args)
     assert out.returncode == 0, out.stderr
     assert "4 to run in 2 job array(s)" in out.stdout  # 1 and 2 workers: two shapes
+    # cluster.device=auto on a partition without GPUs: no --gpus-per-node, and one note
+    assert out.stderr.strip().splitlines() == [
+        f"ddlbench: note: partition {slurm.partition!r} has none (no gpu gres in sinfo; "
+        "cluster.slurm.partition), so the runs (cluster.device=auto) use CPUs; set "
+        "cluster.device=cpu to say so, or request GPUs"], out.stderr
+    scripts = [p.read_text() for p in jobs.rglob("array.sbatch")]
+    assert all("--gpus-per-node" not in text and "#SBATCH --mem=1G" in text and
+               "--kill-on-bad-exit=1 --cpus-per-task=1" in text for text in scripts)
     assert out.stdout.count("submitted array") == 2
     _wait_for_queue(slurm, ARRAY_TIMEOUT_S)
     logs = "\n".join(p.read_text() for p in jobs.rglob("logs/*.out"))
@@ -102,6 +113,12 @@ def test_a_rank_that_dies_under_srun_leaves_a_failed_row(slurm, tmp_path) -> Non
     ("cluster.slurm.partition=nope", ["cluster.slurm.partition='nope' is unknown",
                                       "choose one of"]),
     ("cluster.nodes=3", ["needs 3 nodes", "has 1"]),
+    ("cluster.slurm.gpus_per_node=1", ["requests --gpus-per-node=1",
+                                       "(cluster.slurm.gpus_per_node=1)", "has 0 GPUs"]),
+    ("cluster.backend=nccl", ["cluster.backend=nccl needs GPUs", "has none"]),
+    # checked against the partition, not against this GPU-less login node
+    ("cluster.device=cuda", ["requests --gpus-per-node=1", "(one per worker",
+                             "has 0 GPUs per node"]),
 ])
 def test_bad_cluster_request_is_one_line_and_exit_2(slurm, tmp_path, override: str,
                                                    words: list[str]) -> None:
@@ -132,8 +149,106 @@ def test_paper_dry_run_groups_the_study_by_resource_shape(tmp_path) -> None:
     # 3 models x 7 methods x 4 sizes + 3 one-GPU baselines
     assert "87 configurations: 0 already complete (skipped), 87 to run" in out.stdout
     # shapes: baselines 1x1; a2a 1x4 ... 8x4; PS with one co-located server per node: Nx5
-    for shape, count in [("n1x1", 3), ("n1x4", 12), ("n8x4", 12), ("n1x5", 9), ("n8x5", 9)]:
+    # and one GPU per worker (cluster.slurm.gpus_per_node: null): gN
+    for shape, count in [("n1x1g1", 3), ("n1x4g4", 12), ("n8x4g4", 12), ("n1x5g4", 9),
+                         ("n8x5g4", 9)]:
         assert f"array DRY-RUN-{shape}: {count} tasks" in out.stdout, shape
     assert "#SBATCH --nodes=8" in out.stdout and "srun" in out.stdout
+    assert "#SBATCH --gpus-per-node=4" in out.stdout and "--mem" not in out.stdout
+    assert "dry run, Slurm not asked" in out.stderr
     assert "bert_large bytescheduler_ps nodes=8 workers=32 servers=8 repeats=5" in out.stdout
     assert not list(tmp_path.glob("*"))
+
+
+def _srun_env(slurm: slurm_cluster.SlurmCluster) -> dict[str, str]:
+    """The cluster's environment without a rendezvous of torchrun or of the tests' caller."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE")
+    return {k: v for k, v in slurm.env.items() if k not in drop and not
+            (k.startswith("SLURM_") and k != "SLURM_CONF")}
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("method, layout", [
+    ("bsp_a2a", ["cluster.workers_per_node=2"]),
+    ("bsp_ps", ["cluster.workers_per_node=1", "cluster.servers=1"]),
+])
+def test_srun_in_an_allocation_starts_one_run_of_its_tasks(slurm, tmp_path, method: str,
+                                                           layout: list[str]) -> None:
+    # each srun task is one rank, recognised from SLURM_* alone: no MASTER_ADDR exported
+    res = tmp_path / "results"
+    argv = ["salloc", "-N1", "-n2", "srun", "-n", "2", sys.executable, "-m", "harness.run",
+            "model=bert_tiny", f"method={method}", *layout, *TINY, f"results_dir={res}"]
+    out = subprocess.run(argv, cwd=REPO, env=_srun_env(slurm), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    frame = results.load(res)
+    assert len(frame) == 1, frame[["run_id", "world_size"]]  # not one run per task
+    assert frame.status.tolist() == ["ok"], frame.error.tolist()
+    workers = 2 if method == "bsp_a2a" else 1
+    assert frame.world_size.tolist() == [workers]
+    assert frame.servers.tolist() == [2 - workers]
+    assert frame.slurm_job_id.notna().all()
+
+
+def test_gres_strings_count_gpus_per_node() -> None:
+    assert submit.gres_gpus("(null)") == 0
+    assert submit.gres_gpus("gpu:4") == 4
+    assert submit.gres_gpus("gpu:a100:4(S:0-1)") == 4
+    assert submit.gres_gpus("gpu:a100:2(S:0,1),gpu:v100:2,shard:8") == 4
+    assert submit.gres_gpus("craynetwork:4") == 0
+
+
+@pytest.mark.parametrize("device, asked, partition_gpus, gpus", [
+    ("auto", None, 8, 4), ("auto", None, 0, 0), ("auto", None, None, 4),
+    ("cuda", None, 0, 4), ("cpu", None, 8, 0), ("auto", 0, 8, 0), ("cpu", 2, 0, 2),
+])
+def test_null_gpus_per_node_is_one_per_worker_where_runs_use_gpus(
+        device: str, asked: int | None, partition_gpus: int | None, gpus: int) -> None:
+    cfg = config.load(["cluster=slurm", "cluster.workers_per_node=4"])
+    cfg.cluster.device, cfg.cluster.slurm.gpus_per_node = device, asked
+    assert submit.gpus_for(cfg, partition_gpus) == gpus
+
+
+def test_cuda_without_gpus_is_one_line_and_exit_2(tmp_path) -> None:
+    cfg = config.load(["cluster=slurm", f"cluster.slurm.jobs_dir={tmp_path}"])
+    cfg.cluster.device, cfg.cluster.slurm.gpus_per_node = "cuda", 0
+    with pytest.raises(config.ConfigError, match="cluster.slurm.gpus_per_node=0 requests no"):
+        submit.check_settings(cfg, cfg.cluster.slurm)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("cluster.slurm.mem=64 GB", ["cluster.slurm.mem='64 GB' is invalid", "64G"]),
+    ("cluster.slurm.gpus_per_node=-1", ["cluster.slurm.gpus_per_node=-1 is invalid"]),
+])
+def test_bad_slurm_settings_are_one_line_and_exit_2(tmp_path, override: str,
+                                                   words: list[str]) -> None:
+    out = _submit(None, *SMOKE, "dry_run=true", f"results_dir={tmp_path}",
+                  f"cluster.slurm.jobs_dir={tmp_path}", override)
+    assert out.returncode == 2, out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert all(word in out.stderr for word in words), out.stderr
+
+
+def test_dry_run_requests_memory_cpus_for_srun_and_cpu_nodes(tmp_path) -> None:
+    out = _submit(None, *SMOKE, "dry_run=true", f"results_dir={tmp_path}",
+                  f"cluster.slurm.jobs_dir={tmp_path}", "cluster.slurm.gpus_per_node=0",
+                  "cluster.slurm.cpus_per_task=3", "cluster.slurm.mem=64G",
+                  env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --mem=64G" in out.stdout and "#SBATCH --cpus-per-task=3" in out.stdout
+    assert "--kill-on-bad-exit=1 --cpus-per-task=3 \\" in out.stdout  # srun does not inherit
+    assert "--gpus-per-node" not in out.stdout and "DRY-RUN-n1x2 " not in out.stdout
+    assert "array DRY-RUN-n1x2: 2 tasks" in out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "ddlbench: note: cluster.slurm.gpus_per_node=0 requests none, so the runs "
+        "(cluster.device=auto) use CPUs; set cluster.device=cpu to say so, or request GPUs"]
+
+
+def test_cuda_is_checked_on_the_partition_not_on_this_machine(tmp_path) -> None:
+    out = _submit(None, *SMOKE, "dry_run=true", "cluster.device=cuda",
+                  f"results_dir={tmp_path}", f"cluster.slurm.jobs_dir={tmp_path}",
+                  env={"CUDA_VISIBLE_DEVICES": ""})  # no GPU here, whatever the machine
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --gpus-per-node=1" in out.stdout and "#SBATCH --gpus-per-node=2" in out.stdout
+    assert "array DRY-RUN-n1x2g2: 2 tasks" in out.stdout

@@ -1,0 +1,363 @@
+"""`python -m harness.check [overrides]`: preflight of a cluster, before any benchmark.
+
+    python -m harness.check cluster.workers_per_node=2
+    python -m harness.check model=bert_tiny method=ddp,bsp_ps     # only these methods
+    torchrun --nproc-per-node=4 -m harness.check cluster.workers_per_node=4
+    srun -N2 --ntasks-per-node=4 python -m harness.check cluster.nodes=2 cluster.workers_per_node=4
+
+Three sections, on the cluster the overrides describe:
+
+1. environment: every rank's host, role, device and network interfaces, and the
+   torch / CUDA / cuDNN / NCCL / driver versions, gathered to rank 0;
+2. process groups: one small all-reduce on every group a run uses (the default
+   group with a CPU tensor, the workers' group with a tensor on the workers' device);
+3. methods: a `verify.steps`=2 run of `harness.verify` of every method of
+   conf/method/ (or those `method=a,b` names), each a launch of its own.
+
+It ends with one line per check, `<name>: ok` or `<name>: FAILED <why>`, and exits 1
+when any failed. Bad input is one line and exit 2 before anything starts; a method
+whose configuration does not hold on this cluster is a failed check. Under
+torchrun/srun every process runs the same launches in the same order; a method needing
+another number of processes than the launcher started (PS methods add servers) is
+skipped and named. The check writes no result shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from harness import config
+from harness.config import ConfigError
+from harness.launch import Context, check_launcher, exit_now, launch
+from harness.ranks import external_rank, num_servers, num_workers
+
+ENTRY = "harness.check"
+VERIFY_STEPS = 2
+NET_VARS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME")
+STOPPED = (130, 143)  # the launcher got SIGINT / SIGTERM: the check stops
+FAILED_RUN = re.compile(r"ddlbench: run \S+ failed: (.*)")
+DIFF = re.compile(r"max_abs_diff=\S+ max_rank_diff=\S+")
+
+
+# -- The environment entry: `worker(cfg, ctx)` on every rank -------------------------------
+
+def versions(device: torch.device) -> dict[str, str]:
+    """The software stack as this rank sees it. cuDNN, NCCL and the driver are asked
+    only on GPU ranks: servers and CPU runs never touch CUDA."""
+    out = {"torch": torch.__version__, "CUDA": torch.version.cuda or "-",
+           "cuDNN": "-", "NCCL": "-", "driver": "-"}
+    if device.type != "cuda":
+        return out
+    with contextlib.suppress(Exception):
+        out["cuDNN"] = str(torch.backends.cudnn.version() or "-")
+    with contextlib.suppress(Exception):
+        nccl = torch.cuda.nccl.version()  # (2, 21, 5); an int in older torch
+        out["NCCL"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    out["driver"] = driver_version()
+    return out
+
+
+def driver_version() -> str:
+    """The NVIDIA driver, from nvidia-smi ('-' where there is none or it fails)."""
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    return (text.split() or ["-"])[0]
+
+
+def rank_info(ctx: Context) -> dict:
+    """One row of the environment table: who this rank is, where, on what."""
+    if ctx.device.type == "cuda":
+        device = f"{ctx.device} {torch.cuda.get_device_name(ctx.device)}"
+    else:
+        device = "cpu"
+    try:
+        interfaces = ",".join(name for _, name in socket.if_nameindex())
+    except OSError:
+        interfaces = "?"
+    net_env = " ".join(f"{k}={os.environ[k]}" for k in NET_VARS if k in os.environ)
+    return {"rank": ctx.rank, "host": socket.gethostname(), "local_rank": ctx.local_rank,
+            "role": "worker" if ctx.is_worker else "server", "device": device,
+            "interfaces": interfaces, "net_env": net_env or "-",
+            "versions": versions(ctx.device)}
+
+
+def all_reduce_ok(group: dist.ProcessGroup | None, *, rank: int, members: int,
+                  device: torch.device) -> tuple[str, str]:
+    """All-reduce rank + 1 over `group` (ranks 0..members-1); (backend, '' or the error)."""
+    backend = "?"
+    try:
+        backend = str(dist.get_backend(group))
+        x = torch.full((4,), float(rank + 1), device=device)
+        dist.all_reduce(x, group=group)
+        got, want = x.cpu().tolist(), members * (members + 1) / 2
+        if any(v != want for v in got):
+            return backend, f"rank {rank}: the sum is {got[0]:g}, expected {want:g}"
+        return backend, ""
+    except Exception as exc:  # noqa: BLE001 - the check reports any failure, then goes on
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return backend, f"rank {rank}: {type(exc).__name__}: {first}"
+
+
+def group_checks(ctx: Context) -> dict[str, tuple[str, str]]:
+    """This rank's outcome on every group it is a member of."""
+    out = {"default": all_reduce_ok(None, rank=ctx.rank, members=ctx.world_size,
+                                    device=torch.device("cpu"))}
+    if ctx.is_worker:
+        name = "workers" if ctx.worker_group is not None else "workers (the default group)"
+        out[name] = all_reduce_ok(ctx.worker_group, rank=ctx.rank, members=ctx.num_workers,
+                                  device=ctx.device)
+    return out
+
+
+def worker(cfg: DictConfig, ctx: Context) -> None:
+    """Entry of every rank of the environment check: gather the table, test the groups.
+    Every rank ends with exit code 1 when a group failed."""
+    infos: list = [None] * ctx.world_size
+    dist.all_gather_object(infos, rank_info(ctx))
+    outcomes = group_checks(ctx)
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, outcomes)
+    lines = group_lines(gathered)
+    if ctx.rank == 0:
+        print("\n".join([*environment_lines(infos), "", "== process groups", *lines]),
+              flush=True)
+    if any(": ok" not in line for line in lines):
+        raise SystemExit(1)
+
+
+def environment_lines(infos: list[dict]) -> list[str]:
+    """The versions (grouped by rank where they differ) and one table row per rank."""
+    stacks: dict[str, list[int]] = {}
+    for info in infos:
+        text = "  ".join(f"{k} {v}" for k, v in info["versions"].items())
+        stacks.setdefault(text, []).append(info["rank"])
+    lines = [f"== environment ({len(infos)} ranks)"]
+    if len(stacks) > 1:
+        lines.append("warning: the ranks run different versions")
+    lines += [f"{text}  (ranks {spans(ranks)})" for text, ranks in stacks.items()]
+    return [*lines, "", *table(infos)]
+
+
+def table(infos: list[dict]) -> list[str]:
+    header = ("rank", "host", "local", "role", "device", "interfaces", "network env")
+    rows = [header] + [(str(i["rank"]), i["host"], str(i["local_rank"]), i["role"],
+                        i["device"], i["interfaces"], i["net_env"]) for i in infos]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def spans(ranks: list[int]) -> str:
+    """'0-3,5' for [0, 1, 2, 3, 5]."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and r == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ",".join(out)
+
+
+def group_lines(gathered: list[dict]) -> list[str]:
+    """`group <name> (<backend>): ok`, or FAILED with the first member's error."""
+    lines = []
+    for name in dict.fromkeys(k for outcome in gathered for k in outcome):
+        members = [o[name] for o in gathered if name in o]
+        errors = [err for _, err in members if err]
+        verdict = f"FAILED {errors[0]}" if errors else "ok"
+        lines.append(f"group {name} ({members[0][0]}): {verdict}")
+    return lines
+
+
+# -- The command: plan every launch, run them, summarize ------------------------------------
+
+@dataclass
+class Plan:
+    """What the check will launch, decided identically by every process before any starts."""
+
+    environment: DictConfig                                   # the environment check's run
+    methods: dict[str, DictConfig | str] = field(default_factory=dict)  # config or 'why not'
+    skipped: dict[str, str] = field(default_factory=dict)     # not runnable in this launch
+
+
+def split_methods(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The methods to check (`method=a,b`, default all of conf/method/) and the rest."""
+    known = config.choices("method")
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("method=")]
+    names = [m.strip() for value in given for m in value.split(",")] or known
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"method {name!r} is unknown; choose one of: {', '.join(known)}")
+    return list(dict.fromkeys(names)), [a for a in argv if not a.startswith("method=")]
+
+
+def plan(argv: list[str]) -> Plan:
+    """Load each method's verify config. Raises ConfigError (bad input) when the
+    overrides are a sweep or no method's config can run the environment check."""
+    names, rest = split_methods(argv)
+    if len(config.expand(rest)) > 1:
+        raise ConfigError("harness.check checks one cluster configuration; drop the comma "
+                          "lists and sweeps from the overrides (method=a,b is the exception)")
+    loaded: dict[str, DictConfig | str] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        try:
+            loaded[name] = config.load([f"verify.steps={VERIFY_STEPS}", *rest, f"method={name}"])
+        except ConfigError as exc:
+            loaded[name] = str(exc)
+            continue
+        try:
+            check_launcher(loaded[name])
+        except ConfigError:  # it loads, but needs another number of processes
+            skipped[name] = skip_reason(loaded[name])
+    runnable = [n for n in names if n not in skipped and not isinstance(loaded[n], str)]
+    if not runnable:
+        first = loaded[names[0]]
+        raise ConfigError(first if isinstance(first, str) else skipped[names[0]])
+    # The environment check covers parameter servers when a checked method has them.
+    first = next((n for n in runnable if num_servers(loaded[n])), runnable[0])
+    return Plan(environment=loaded[first], methods=loaded, skipped=skipped)
+
+
+def skip_reason(cfg: DictConfig) -> str:
+    ext = external_rank() or {"world_size": "?"}
+    need = num_workers(cfg) + num_servers(cfg)
+    return (f"needs {need} processes ({describe(cfg)}), the launcher started "
+            f"{ext['world_size']}; start {need} to check it")
+
+
+@contextlib.contextmanager
+def captured(fds: tuple[int, ...]) -> Iterator[list[str]]:
+    """What is written to the file descriptors `fds` meanwhile, this process's and its
+    children's, as one text appended to the yielded list when the block ends."""
+    out: list[str] = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in fds]
+    with tempfile.TemporaryFile() as tmp:
+        try:
+            for fd in fds:
+                os.dup2(tmp.fileno(), fd)
+            yield out
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip(fds, saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            tmp.seek(0)
+            out.append(tmp.read().decode(errors="replace"))
+
+
+def why_failed(code: int, log: str, cfg: DictConfig) -> str:
+    """One line: verify's verdict on the parameters, else a failed group, else the
+    launcher's cause, else the exit code."""
+    diff = DIFF.search(log)
+    if code == 1 and diff:
+        return (f"{diff.group(0)}: beyond verify.atol={cfg.verify.atol:g}/"
+                f"verify.rtol={cfg.verify.rtol:g}, or the ranks differ")
+    if group := re.search(r"^group .*: FAILED .*$", log, re.M):
+        return group.group(0)
+    if cause := FAILED_RUN.search(log):
+        return cause.group(1).strip()
+    return f"exit code {code} (its errors are above)"
+
+
+def run_one(cfg: DictConfig, *, entry: str, echo: bool) -> tuple[int, str, str]:
+    """Launch `entry` on `cfg`'s cluster: (exit code, its captured output, '' or why it
+    failed). `echo`: show the output as it is."""
+    # Under torchrun/srun a failing rank ends its process at once: its errors must reach
+    # stderr, not a file nobody reads.
+    with captured((1, 2) if external_rank() is None else (1,)) as out:
+        code, _ = launch(cfg, entry=entry)
+    log = "".join(out)
+    if echo and log:
+        print(log.rstrip("\n"), flush=True)
+    return code, log, "" if code == 0 else why_failed(code, log, cfg)
+
+
+def describe(cfg: DictConfig) -> str:
+    workers, servers = num_workers(cfg), num_servers(cfg)
+    return (f"{workers} worker{'s' * (workers != 1)}"
+            + (f" + {servers} server{'s' * (servers != 1)}" if servers else ""))
+
+
+def verify_method(name: str, cfg: DictConfig, *, say: Callable[[str], None]
+                  ) -> tuple[int, str]:
+    """One method's `harness.verify`: its exit code and verdict, 'ok (<diffs>,
+    <seconds>)' or 'FAILED <why>'."""
+    start = time.monotonic()
+    code, log, error = run_one(cfg, entry="harness.verify", echo=False)
+    diff = DIFF.search(log)
+    took = f"{time.monotonic() - start:.1f} s"
+    verdict = f"FAILED {error}" if code else f"ok ({diff.group(0) + ', ' if diff else ''}{took})"
+    say(f"{name} ({describe(cfg)}): {verdict}")
+    if code and log:  # the whole story, where `harness.verify` itself would have told it
+        print(f"---- {name}: output of harness.verify ----\n{log.rstrip()}\n----",
+              file=sys.stderr, flush=True)
+    return code, verdict
+
+
+def check_methods(p: Plan, *, say: Callable[[str], None]) -> tuple[dict[str, str], int | None]:
+    """Every method's verdict ('ok ...', 'FAILED ...', 'skipped: ...') and, when a
+    launcher was stopped (Ctrl-C, SIGTERM), its exit code (the check stops there)."""
+    verdicts: dict[str, str] = {}
+    for name, cfg in p.methods.items():
+        if name in p.skipped or isinstance(cfg, str):
+            verdicts[name] = f"skipped: {p.skipped[name]}" if name in p.skipped else f"FAILED {cfg}"
+            say(f"{name}: {verdicts[name]}")
+            continue
+        code, verdicts[name] = verify_method(name, cfg, say=say)
+        if code in STOPPED:
+            return verdicts, code
+    return verdicts, None
+
+
+def main(argv: list[str]) -> int:
+    try:
+        p = plan(argv)
+    except ConfigError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 2
+    ext = external_rank()
+    say = print if ext is None or ext["rank"] == 0 else (lambda *args, **kwargs: None)
+    say(f"ddlbench preflight: {describe(p.environment)}, model {p.environment.model.name}, "
+        f"device {p.environment.cluster.device}, backend {p.environment.cluster.backend}",
+        flush=True)
+    code, _, env_error = run_one(p.environment, entry=ENTRY, echo=True)
+    if code in STOPPED:
+        return code
+    say(f"\n== methods: harness.verify of each, {p.environment.verify.steps} steps, on this "
+        "cluster", flush=True)
+    verdicts, stopped = check_methods(p, say=lambda text: say(text, flush=True))
+    if stopped:
+        return stopped
+    say("\n== summary")
+    say(f"environment: {'FAILED ' + env_error if env_error else 'ok'}")
+    for name, verdict in verdicts.items():
+        say(f"{name}: {verdict.split(' (')[0] if verdict.startswith('ok') else verdict}")
+    failed = bool(env_error) + sum(v.startswith("FAILED") for v in verdicts.values())
+    skipped = f"; {len(p.skipped)} skipped" if p.skipped else ""
+    say(f"{failed} check(s) failed{skipped}" if failed else f"every check passed{skipped}",
+        flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    exit_now(main(sys.argv[1:]))

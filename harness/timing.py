@@ -1,0 +1,89 @@
+"""Timing a window of training iterations without breaking the overlap it measures.
+
+Inside the window nothing synchronizes the device. On GPUs a synchronize after
+backward would wait for the all-reduces still in flight, and WFBP, MG-WFBP and
+ByteScheduler would lose, inside the measurement, the overlap they exist for.
+So the moments between phases are CUDA events recorded on the current stream
+(read once the window has ended and the device is synchronized) on GPUs, and
+host clocks on CPUs, where each call returns when its work is done. Either way
+an iteration's phases are consecutive intervals between moments: they add up
+to its time exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("forward_s", "backward_s", "comm_s", "update_s")
+
+
+def device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Clock:
+    """Moments on the device's own clock: CUDA events on GPUs, perf_counter on CPUs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.moments: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.moments.append(event)
+        else:
+            self.moments.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive moments; on GPUs only once the device is synchronized."""
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in pairwise(self.moments)]
+        return [b - a for a, b in pairwise(self.moments)]
+
+
+@dataclass
+class Window:
+    seconds: float  # host clock: from the barrier to drained and synchronized
+    iter_times: list[float]
+    phases: list[list[float]]  # per iteration, the PHASES; [] when the steps mark nothing
+
+
+def timed_window(step: Callable[[Clock], None], *, iters: int, drain: Callable[[], None],
+                 device: torch.device, group: dist.ProcessGroup | None = None) -> Window:
+    """Barrier of the workers' `group`, `iters` steps, `drain` (the method's: no
+    communication left in flight), then one device synchronize.
+
+    Each step marks the clock after its forward, backward and synchronize, or not at
+    all; the window marks each step's start. An iteration runs from its start to the
+    next one's (its update ends there), the last one to the end of the drain, which
+    counts as exposed communication.
+    """
+    dist.barrier(group=group)
+    device_sync(device)
+    clock = Clock(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        clock.mark()
+        step(clock)
+    clock.mark()
+    drain()
+    clock.mark()
+    device_sync(device)
+    seconds = time.perf_counter() - start
+    gaps = clock.intervals()
+    per = (len(gaps) - 1) // iters  # intervals per iteration; the last interval is the drain
+    iter_times = [sum(gaps[i * per : (i + 1) * per]) for i in range(iters)]
+    iter_times[-1] += gaps[-1]
+    phases = [gaps[i * per : (i + 1) * per] for i in range(iters)] if per == len(PHASES) else []
+    if phases:
+        phases[-1][PHASES.index("comm_s")] += gaps[-1]
+    return Window(seconds, iter_times, phases)

@@ -1,0 +1,113 @@
+"""`python -m harness.check`: the preflight, on real processes (CPU, Gloo).
+
+Each passing run verifies every method of conf/method/ (one launch each); on a 2-core
+machine a run takes a few minutes, so the model is bert_tiny shrunk further.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness import check, config
+from tests.conftest import run_module
+
+METHODS = config.choices("method")
+SMALL = ["model=bert_tiny", "model.build.hidden_size=64", "model.build.intermediate_size=128",
+         "model.build.seq_len=16", "+model.build.vocab_size=1000", "model.local_batch_size=2",
+         "run.timeout_s=120", "cluster.device=cpu"]
+RUN_TIMEOUT_S = 1200
+
+
+def preflight(*overrides: str, results_dir, module: str = "harness.check", args=()):
+    return run_module(module, *args, *SMALL, f"results_dir={results_dir}", *overrides,
+                      timeout=RUN_TIMEOUT_S)
+
+
+def summary(stdout: str) -> list[str]:
+    return stdout.split("== summary\n", 1)[1].splitlines()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_every_method_passes(workers: int, results_dir) -> None:
+    out = preflight(f"cluster.workers_per_node={workers}", results_dir=results_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = summary(out.stdout)
+    assert [ln for ln in lines if ln.endswith(": ok")] == [
+        "environment: ok", *(f"{m}: ok" for m in METHODS)]
+    # the environment check ran with the parameter server that PS methods add
+    roles = re.findall(r"^(\d+)\s+\S+\s+\d+\s+(worker|server)\s+cpu\s", out.stdout, re.M)
+    assert roles == [(str(r), "worker") for r in range(workers)] + [(str(workers), "server")]
+    assert "group default (gloo): ok" in out.stdout
+    assert "group workers (gloo): ok" in out.stdout
+    assert not results_dir.exists(), "the check writes no result shards"
+
+
+def test_failing_methods_are_named_and_fail_the_check(results_dir) -> None:
+    # rank 2 is the parameter server of bsp_ps, which fails on purpose in its first round;
+    # bsp_a2a has no rank 2, so its configuration does not hold on this cluster
+    out = preflight("cluster.workers_per_node=2", "method=bsp_a2a,bsp_ps", "run.fault.rank=2",
+                    results_dir=results_dir)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = summary(out.stdout)
+    assert "environment: ok" in lines
+    assert "bsp_a2a: FAILED run.fault.rank=2 is not a rank of this run" in "\n".join(lines)
+    assert re.search(r"^bsp_ps: FAILED rank 2: .*injected fault at iteration 0$", "\n".join(lines),
+                     re.M), lines
+    assert lines[-1] == "2 check(s) failed"
+    assert not results_dir.exists(), "a failed check writes no failed rows"
+
+
+def test_torchrun_runs_the_same_launches_on_every_rank(results_dir) -> None:
+    # two processes: the A2A methods run one after another in the same processes (each
+    # on a store of its own), bsp_ps needs a third process and is skipped
+    out = preflight("cluster.workers_per_node=2", "method=ddp,bsp_ps,bsp_a2a",
+                    results_dir=results_dir, module="torch.distributed.run",
+                    args=("--standalone", "--nproc-per-node=2", "-m", "harness.check"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = summary(out.stdout)
+    assert lines[:2] == ["environment: ok", "ddp: ok"] and lines[3] == "bsp_a2a: ok"
+    assert lines[2].startswith("bsp_ps: skipped: needs 3 processes")
+    assert out.stdout.count("== summary") == 1, "only rank 0 reports"
+    assert not results_dir.exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("method=bsp_a2a,wfbp", "method 'wfbp' is unknown; choose one of: bsp_a2a"),
+    ("cluster.workers_per_node=1,2", "harness.check checks one cluster configuration"),
+    ("cluster.workers_per_nod=2", "cluster.workers_per_nod"),
+])
+def test_bad_input_is_one_line_and_starts_nothing(override: str, message: str, results_dir,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    assert check.main([*SMALL, f"results_dir={results_dir}", override]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and message in out.err, out.err
+
+
+def test_table_and_group_lines() -> None:
+    info = {"host": "n1", "local_rank": 0, "role": "worker", "device": "cpu",
+            "interfaces": "lo,eth0", "net_env": "-", "versions": {"torch": "2.x"}}
+    infos = [{**info, "rank": r} for r in range(3)]
+    infos[2] = {**infos[2], "role": "server", "versions": {"torch": "2.y"}}
+    lines = check.environment_lines(infos)
+    assert "warning: the ranks run different versions" in lines
+    assert "torch 2.x  (ranks 0-1)" in lines and "torch 2.y  (ranks 2)" in lines
+    assert check.spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    gathered = [{"default": ("gloo", ""), "workers": ("gloo", "")},
+                {"default": ("gloo", ""), "workers": ("gloo", "rank 1: the sum is 2, expected 3")},
+                {"default": ("gloo", "")}]
+    assert check.group_lines(gathered) == [
+        "group default (gloo): ok", "group workers (gloo): FAILED rank 1: the sum is 2, expected 3"]
+
+
+def test_a_failure_is_told_in_one_line() -> None:
+    cfg = OmegaConf.create({"verify": {"atol": 0.0, "rtol": 0.0}})
+    launcher = "ddlbench: run r1 failed: rank 0 exited with code 1 at repeat 0, leaving\n"
+    diff = "max_abs_diff=7.1e-08 max_rank_diff=0.000e+00\n"
+    assert check.why_failed(1, diff + launcher, cfg) == (
+        "max_abs_diff=7.1e-08 max_rank_diff=0.000e+00: beyond verify.atol=0/verify.rtol=0, "
+        "or the ranks differ")
+    assert check.why_failed(1, launcher, cfg) == "rank 0 exited with code 1 at repeat 0, leaving"
+    assert check.why_failed(1, "", cfg) == "exit code 1 (its errors are above)"
