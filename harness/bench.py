@@ -231,7 +231,7 @@ def software() -> dict:
     cudnn = torch.backends.cudnn.version()
     return {
         "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-        "cudnn_version": str(cudnn) if cudnn else None, "nccl_version": _nccl_version(),
+        "cudnn_version": str(cudnn) if cudnn else None, "nccl_version": nccl_version(),
         "tf32_matmul": torch.backends.cuda.matmul.fp32_precision == "tf32",
         "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
@@ -240,7 +240,7 @@ def software() -> dict:
     }
 
 
-def _nccl_version() -> str | None:
+def nccl_version() -> str | None:
     if not (torch.version.cuda and dist.is_nccl_available()):
         return None
     version = torch.cuda.nccl.version()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness import config
+from harness.bench import nccl_version
 from harness.config import ConfigError
 from harness.launch import Context, check_launcher, exit_now, launch
 from harness.ranks import external_rank, num_servers, num_workers
@@ -64,8 +65,7 @@ def versions(device: torch.device) -> dict[str, str]:
     with contextlib.suppress(Exception):
         out["cuDNN"] = str(torch.backends.cudnn.version() or "-")
     with contextlib.suppress(Exception):
-        nccl = torch.cuda.nccl.version()  # (2, 21, 5); an int in older torch
-        out["NCCL"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        out["NCCL"] = nccl_version() or "-"
     out["driver"] = driver_version()
     return out
 

@@ -20,12 +20,9 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 
+from methods.base import device_sync
+
 PHASES = ("forward_s", "backward_s", "comm_s", "update_s")
-
-
-def device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Clock:

@@ -26,6 +26,12 @@ from torch import nn
 POLL_MAX_S = 1e-3  # longest sleep between two polls of a communication's completion
 
 
+def device_sync(device: torch.device) -> None:
+    """Wait until the work queued on `device` has run (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Handle(Protocol):
     """One started unit. Two ways to wait for it, which differ on a GPU:
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from methods.base import device_sync
+
 DEFAULT_FIT_SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # elements
 
 
@@ -48,10 +50,10 @@ def time_allreduce(group: dist.ProcessGroup | None, numel: int, *, repeats: int,
     dist.all_reduce(buf, group=group)
     samples = []
     for _ in range(repeats):
-        _sync(buf.device)
+        device_sync(buf.device)
         start = time.perf_counter()
         dist.all_reduce(buf, group=group)
-        _sync(buf.device)
+        device_sync(buf.device)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -66,8 +68,3 @@ def fit_allreduce_cost(group: dist.ProcessGroup | None, *, sizes: list[int] | No
     dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
     element_size = torch.empty(0, dtype=dtype).element_size()
     return least_squares([float(n * element_size) for n in sizes], measured.tolist())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

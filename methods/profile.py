@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from methods.base import device_sync
+
 
 class BackwardProfiler:
     """Records when each gradient of `params` (backward order) is ready, per iteration."""
@@ -47,8 +49,7 @@ class BackwardProfiler:
 
     def _now(self) -> float:
         """The time the work queued so far has run by (not just been queued by)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device_sync(self.device)
         return time.perf_counter()
 
     def end_iteration(self) -> None:
