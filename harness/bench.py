@@ -62,7 +62,9 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
     """A fresh model (weights from `seed`) wrapped by the configured method, and its optimizer."""
     model = models.build(cfg.model.family, cfg.model.build, seed=seed).to(ctx.device)
     method = methods.build(OmegaConf.to_container(cfg.method, resolve=True),
-                           group=ctx.worker_group, device=ctx.device, timeout_s=cfg.run.timeout_s)
+                           group=ctx.worker_group, device=ctx.device, timeout_s=cfg.run.timeout_s,
+                           workers_per_node=cfg.cluster.workers_per_node,
+                           node_groups=ctx.node_groups)
     wrapped = method.wrap(model)
     return wrapped, method, make_optimizer(model, cfg.model.optimizer)
 

@@ -35,7 +35,7 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
               dict: "a mapping", list: "a list"}
 # Keys of network profiles: the emulated link's rate, and the facts of a real network.
 NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node": dict,
-                "allreduce": str, "ps_local_reduce": bool, "ps_host_copy": bool,
+                "allreduce": str, "ps_host_copy": bool,
                 "cycle_s": float}
 ALLREDUCE = ("ring", "tree", "hierarchical", "best")
 

@@ -293,8 +293,20 @@ def _check_method(method: DictConfig) -> None:
 
 
 def _check_servers(method: DictConfig, cluster: DictConfig) -> None:
-    """A parameter-server method needs at least one server."""
-    if method.transport.get("name") == "ps" and cluster.servers == 0:
+    """A parameter-server method needs at least one server, unless it runs on one node with
+    node-local aggregation: then it has none (as BytePS on one machine)."""
+    import methods
+
+    if method.transport.get("name") != "ps" or cluster.servers is None:
+        return
+    if not methods.uses_servers(method, nodes=cluster.nodes):
+        if cluster.servers:
+            raise ConfigError(
+                f"method {method.name!r} on cluster.nodes=1 runs without parameter servers "
+                f"(node-local aggregation: BytePS on one machine all-reduces), but "
+                f"cluster.servers={cluster.servers}; drop cluster.servers, or set "
+                "method.transport.local_reduce=false to push every worker's gradients to them")
+    elif cluster.servers == 0:
         raise ConfigError(f"method {method.name!r} uses parameter servers but cluster.servers=0; "
                           "set cluster.servers >= 1, or null for one per node")
 

@@ -63,6 +63,7 @@ class Context:
     device: torch.device
     backend: str
     worker_group: dist.ProcessGroup | None = None
+    node_groups: tuple | None = None  # this worker's node's two groups (node_groups)
     repeat: int = 0  # the repeat in progress, for failure records
 
     @property
@@ -326,6 +327,7 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
                       device=device, backend=backend)
         if ctx.num_servers:
             ctx.worker_group = dist.new_group(list(range(workers)))
+        ctx.node_groups = node_groups(workers, cfg.cluster.workers_per_node, timeout=timeout)
         code = 0
         try:
             module.worker(cfg, ctx)
@@ -338,6 +340,17 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal
         _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
         exit_now(1)  # peers may be stuck in a collective: do not wait for clean-up
+
+
+def node_groups(workers: int, per_node: int, *, timeout: dt.timedelta) -> tuple | None:
+    """Two process groups per node of `per_node` workers, for PS methods' reduce and
+    broadcast inside the node (methods/ps.py), made on every rank (it is collective):
+    this worker's pair, or None (servers; one worker per node; one node)."""
+    if per_node == 1 or workers <= per_node:
+        return None
+    nodes = [list(range(n, n + per_node)) for n in range(0, workers, per_node)]
+    mine = [dist.new_subgroups_by_enumeration(nodes, timeout=timeout)[0] for _ in range(2)]
+    return tuple(mine) if mine[0] is not None else None
 
 
 _STORE: list = []  # torchrun's or srun's store, kept for every launch of this process

@@ -17,8 +17,11 @@ MAX_NORMAL_STEP_ID = 0xFFFFFFF0
 
 
 def num_servers(cfg: DictConfig) -> int:
-    """Parameter-server processes the run needs: only PS methods have any."""
-    if cfg.method.transport.name != "ps":
+    """Parameter-server processes the run needs: only PS methods have any, and none on one
+    node with node-local aggregation (methods.uses_servers)."""
+    import methods
+
+    if not methods.uses_servers(cfg.method, nodes=cfg.cluster.nodes):
         return 0
     return cfg.cluster.nodes if cfg.cluster.servers is None else cfg.cluster.servers
 

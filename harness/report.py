@@ -41,10 +41,11 @@ from harness import checks, results
 from harness.config import ConfigError
 
 METHOD_ORDER = (
-    "bsp_ps bsp_a2a wfbp_ps wfbp_a2a mgwfbp bytescheduler_ps bytescheduler_a2a ddp".split()
+    "bsp_ps bsp_a2a wfbp_ps wfbp_a2a mgwfbp bytescheduler_ps bytescheduler_a2a priority_ps "
+    "ddp".split()
 )
 # tab20 index per method: a PS/A2A pair shares a hue (PS light, A2A dark); ddp is gray.
-_TAB20 = dict(zip(METHOD_ORDER, [1, 0, 3, 2, 4, 7, 6, 14]))
+_TAB20 = dict(zip(METHOD_ORDER, [1, 0, 3, 2, 4, 7, 6, 5, 14]))
 _TAB20_SPARE = [8, 10, 12, 16, 18, 9, 11, 13, 17, 19]
 SETTING = ["model", "local_batch_size", "network", "source"]
 CELL = [*SETTING, "method", "world_size"]

@@ -4,14 +4,18 @@ A discrete-event model of training iterations, per configuration:
 
 - compute: per-tensor forward and backward times (harness.profile): FLOPs scaled to a
   GPU of `simulate.gpus` (calibrated only by its 1-GPU throughput), or measured here;
-- the method's own planner (the plan objects of methods.plan: bucket, per tensor, the
-  MG-WFBP merge from the backward times and a fitted alpha/beta, partitions) and its
+- the method's own plan (harness.plan.plan_of: the planners of methods.plan, the
+  MG-WFBP merge from the backward times and a fitted alpha/beta, ByteScheduler's
+  slices, and the PS partitions, keys and servers of methods.layout) and its
   scheduler's semantics: after backward, on ready, or a priority queue under a credit
-  with per-layer updates that the next forward pass waits for;
+  (issuing while any is left) with per-layer updates that the next forward pass waits
+  for, its pieces of one cycle fused as Horovod did when the method sets `cycle_s`;
 - the network: intra- and inter-node links (alpha + beta * bytes) from a real profile's
   facts or from the microbenchmark; ring, tree or hierarchical all-reduce (on the study's
   networks each starting on Horovod's negotiation cycle); S parameter servers each behind
-  its own link, with the partitions of methods.ps.
+  its own link, fed once per node with node-local aggregation (none on one node: the
+  partitions are all-reduced there). Server-side scheduling only reorders a server's
+  summations, which this model does not time: it predicts bytescheduler_ps as wfbp_ps.
 
 Every configuration of the sweep becomes one result row with source=simulated (one
 shard per simulation), so `harness.report` draws simulated figures with the same code.
@@ -37,11 +41,10 @@ from omegaconf import DictConfig
 
 from harness import checks, config, profile, results
 from harness.launch import torch_threads
+from harness.plan import Tensors, plan_of, tensors
 from harness.ranks import num_servers, num_workers
-from methods import plan as plans
-from methods import ps
 from methods.costmodel import Cost, least_squares
-from methods.plan import Unit, size_in_elements
+from methods.plan import Unit, fuse_pieces, size_in_elements
 
 ELEMENT_SIZE = 4  # fp32 gradients
 FIT_SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # elements, as methods.costmodel
@@ -55,7 +58,6 @@ class Network:
     intra: Cost           # between the workers of one node
     inter: Cost           # between nodes, and to every parameter server
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
-    ps_local_reduce: bool  # PS: a node sums its workers' gradients before pushing (BytePS)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
     cycle_s: float = 0.0   # all-reduces start on a framework cycle (Horovod's negotiation)
 
@@ -69,10 +71,10 @@ def network(cfg: DictConfig) -> Network:
         ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
         beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
         return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
-                       net.get("allreduce", "ring"), bool(net.get("ps_local_reduce", False)),
-                       bool(net.get("ps_host_copy", False)), float(net.get("cycle_s", 0.0)))
+                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
+                       float(net.get("cycle_s", 0.0)))
     link = _microbench_link(cfg)
-    return Network(net.name, link, link, "ring", False, False)
+    return Network(net.name, link, link, "ring", False)
 
 
 def _microbench_link(cfg: DictConfig) -> Cost:
@@ -109,24 +111,32 @@ def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> floa
     return {"ring": ring, "tree": tree, "best": min(ring, tree)}[net.allreduce]
 
 
+def fitted_cost(net: Network, *, nodes: int, per_node: int) -> Cost:
+    """alpha + beta * bytes fitted to this network's all-reduce (what MG-WFBP measures)."""
+    fit_bytes = [n * ELEMENT_SIZE for n in FIT_SIZES]
+    return least_squares(fit_bytes, [allreduce_s(net, b, nodes=nodes, per_node=per_node)
+                                     for b in fit_bytes])
+
+
 # -- communication: resources with a queue ---------------------------------------------------
 
 class Collectives:
     """All-reduces run one at a time, in issue order (one communication stream).
 
-    With a `cycle_s`, an all-reduce issued at t starts no earlier than the next
-    multiple of it: Horovod's background loop negotiates the tensors that became
-    ready once per cycle, then runs them.
+    `seconds(unit, nbytes)` is the duration of unit `unit` (its first, when fused)
+    moving `nbytes`. With a `cycle_s`, an all-reduce issued at t starts no earlier
+    than the next multiple of it: Horovod's background loop negotiates the tensors
+    that became ready once per cycle, then runs them.
     """
 
-    def __init__(self, seconds: Callable[[int], float], cycle_s: float = 0.0) -> None:
+    def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0) -> None:
         self.seconds = seconds
         self.cycle_s = cycle_s
         self.free = 0.0
         self.busy = {"collective": 0.0}
 
     def issue(self, unit: int, nbytes: int, t: float) -> float:
-        duration = self.seconds(nbytes)
+        duration = self.seconds(unit, nbytes)
         if self.cycle_s:
             t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
         self.free = max(t, self.free) + duration
@@ -160,14 +170,15 @@ class ParameterServers:
     nodes: int
     per_node: int
     servers: int
+    local_reduce: bool  # a node sums its workers' gradients and pushes once (BytePS)
     links: dict[str, _Link] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        local = self.net.ps_local_reduce and self.per_node > 1
+        local = self.local_reduce and self.per_node > 1
         # bytes over the bus per byte of partition: reduce (or broadcast) and host copy
         bus_share = (local * (self.per_node - 1) / self.per_node) + self.net.ps_host_copy
-        senders = self.nodes if self.net.ps_local_reduce else self.nodes * self.per_node
-        node_share = 1 if self.net.ps_local_reduce else self.per_node
+        senders = self.nodes if self.local_reduce else self.nodes * self.per_node
+        node_share = 1 if self.local_reduce else self.per_node
         self.links = {n: _Link() for n in ("node_up", "node_down", "bus_up", "bus_down")}
         servers = [(_Link(), _Link()) for _ in range(self.servers)]
         for s, (down, up) in enumerate(servers):
@@ -208,37 +219,8 @@ class Prediction:
     plan: dict
 
 
-def ddp_buckets(sizes: list[int], cap_bytes: int, first_bytes: int = 1 << 20) -> list[list[int]]:
-    """torch DDP's buckets: consecutive tensors (backward order) up to 1 MiB, then `cap_bytes`."""
-    groups, group, filled, cap = [], [], 0, first_bytes
-    for i, n in enumerate(sizes):
-        group.append(i)
-        filled += n * ELEMENT_SIZE
-        if filled >= cap:
-            groups.append(group)
-            group, filled, cap = [], 0, cap_bytes
-    return groups + ([group] if group else [])
-
-
-def units_of(method: DictConfig, compute: profile.Compute, cost: Cost) -> tuple[list[Unit], dict]:
-    """The method's communication units, from the real planners."""
-    if method.transport.name == "ddp":
-        cap = int(method.planner.get("bucket_cap_mb", 25) * (1 << 20))
-        groups = ddp_buckets(compute.sizes, cap)
-        units = plans.groups_to_units(compute.sizes, groups)
-        return units, {"planner": "ddp", "buckets": len(groups)}
-    args = {k: v for k, v in method.planner.items() if k != "name"}
-    planner = plans.PLANNERS[method.planner.name](**args)
-    if method.planner.name == "mgwfbp":
-        units = planner.plan_measured(compute.sizes, backward_s=compute.backward_s, cost=cost,
-                                      element_size=ELEMENT_SIZE)
-    else:
-        units = planner.plan(compute.sizes, element_size=ELEMENT_SIZE)
-    return units, planner.describe()
-
-
 def _credit(scheduler: DictConfig) -> int:
-    return size_in_elements(elements=scheduler.get("credit_elements"),
+    return size_in_elements(elements=scheduler.get("credit_elements", 16_000_000),
                             nbytes=scheduler.get("credit_bytes"), element_size=ELEMENT_SIZE,
                             what="scheduler credit")
 
@@ -248,26 +230,34 @@ def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Predicti
     nodes, per_node = cfg.cluster.nodes, cfg.cluster.workers_per_node
     workers, method = num_workers(cfg), cfg.method
 
-    def collective(nbytes: int) -> float:
+    def collective(_unit: int, nbytes: int) -> float:
         return allreduce_s(net, nbytes, nodes=nodes, per_node=per_node)
 
-    fit_bytes = [n * ELEMENT_SIZE for n in FIT_SIZES]
-    cost = least_squares(fit_bytes, [collective(b) for b in fit_bytes])
-    units, described = units_of(method, compute, cost)
-    if method.transport.name == "ps":
-        part = max(1, method.transport.get("partition_bytes", ps.PARTITION_BYTES) // ELEMENT_SIZE)
-        cuts = ps.cut(units, part)
-        servers = num_servers(cfg)
-        owners = iter(ps.assign([e - s for c in cuts for s, e in c], list(range(servers))))
-        comm = ParameterServers(net, [[((e - s) * ELEMENT_SIZE, next(owners)) for s, e in c]
-                                      for c in cuts], nodes, per_node, servers)
+    cost = fitted_cost(net, nodes=nodes, per_node=per_node)
+    model = tensors(cfg.model)
+    if model.sizes != compute.sizes:  # a hand-made compute (tests): tensors named by index
+        model = Tensors([str(i) for i in range(len(compute.sizes))], compute.sizes,
+                        compute.sizes)
+    planned = plan_of(cfg, model, backward_s=compute.backward_s, cost=cost)
+    units, described = planned.units, planned.planner
+    kind, sched = method.scheduler.name, method.scheduler
+    cycle_s = float(sched.get("cycle_s", 0.0)) if kind == "priority" else 0.0
+    if method.transport.name == "ps" and planned.servers:
+        comm = ParameterServers(net, [[(p.numel * ELEMENT_SIZE, p.server) for p in ps]
+                                      for ps in planned.parts], nodes, per_node,
+                                planned.servers, method.transport.get("local_reduce", True))
+    elif method.transport.name == "ps":  # one node, no servers: each partition all-reduced
+        comm = Collectives(lambda u, _: sum(collective(u, p.numel * ELEMENT_SIZE)
+                                            for p in planned.parts[u]))
     else:
-        # the study's all-reduce methods ran on Horovod; torch DDP has no negotiation cycle
-        comm = Collectives(collective, 0.0 if method.transport.name == "ddp" else net.cycle_s)
-    kind = method.scheduler.name
-    credit = _credit(method.scheduler) if kind == "priority" else 0
-    ends = _iterate(compute, units, comm, kind=kind, credit=credit,
-                    iterations=cfg.simulate.iterations)
+        # the study's all-reduce methods ran on Horovod; torch DDP has no negotiation cycle,
+        # and a method with its own cycle (ByteScheduler's pieces) rounds to that one
+        horovod = method.transport.name != "ddp" and not cycle_s
+        comm = Collectives(collective, net.cycle_s if horovod else 0.0)
+    credit = _credit(sched) if kind == "priority" else 0
+    fusion = (sched.get("fusion_bytes") or 0) // ELEMENT_SIZE if kind == "priority" else 0
+    ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
+                    fusion=fusion, iterations=cfg.simulate.iterations)
     steady = ends[1:] if len(ends) > 2 else ends
     iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
     exposed = max(0.0, iteration - compute.total_s)
@@ -285,7 +275,7 @@ def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Predicti
 
 
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
-             iterations: int) -> list[float]:
+             cycle_s: float, fusion: int, iterations: int) -> list[float]:
     """The end of each iteration (its last update), simulated one after another."""
     backward_ready = list(itertools.accumulate(compute.backward_s))
     nbytes = [u.numel * ELEMENT_SIZE for u in units]
@@ -308,7 +298,7 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
         else:
             unit_ready = [ready[u.params[-1]] for u in units]  # ready times never decrease
         if kind == "priority":
-            done = _priority(units, nbytes, unit_ready, comm, credit)
+            done = _priority(units, unit_ready, comm, credit, cycle_s=cycle_s, fusion=fusion)
             updated = [0.0] * layers
             for u, finish in zip(units, done):
                 layer = compute.layer_of[u.params[0]]
@@ -326,29 +316,44 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
     return ends
 
 
-def _priority(units: list[Unit], nbytes: list[int], ready: list[float], comm,
-              credit: int) -> list[float]:
-    """ByteScheduler: the highest-priority ready unit (input side first) goes while fewer
-    than `credit` elements are in flight (one always may); returns each unit's finish."""
+def _priority(units: list[Unit], ready: list[float], comm, credit: int, *,
+              cycle_s: float = 0.0, fusion: int = 0) -> list[float]:
+    """ByteScheduler: the highest-priority ready units (input side first) go while any
+    of `credit` elements is left, each alone; with `cycle_s`, those of one cycle start
+    at its end, consecutive ones fused up to `fusion` elements (Priority._issue).
+    Returns each unit's finish."""
     n = len(units)
     done = [0.0] * n
     arrivals = sorted(range(n), key=lambda u: (ready[u], u))
     queue: list[tuple[int, int, int]] = []  # (-tensor index: input side first, start, unit)
     flight: list[tuple[float, int]] = []    # (finish, elements)
-    used, now, nxt = 0, 0.0, 0
-    while nxt < n or queue:
+    batch: list[int] = []
+    used, now, nxt, tick = 0, 0.0, 0, 0.0
+    while nxt < n or queue or batch:
         while nxt < n and ready[arrivals[nxt]] <= now:
             u = arrivals[nxt]
             heapq.heappush(queue, (-units[u].params[0], units[u].start, u))
             nxt += 1
         while flight and flight[0][0] <= now:
             used -= heapq.heappop(flight)[1]
-        while queue and (not flight or used + units[queue[0][2]].numel <= credit):
-            u = heapq.heappop(queue)[2]
-            done[u] = comm.issue(u, nbytes[u], now)
-            heapq.heappush(flight, (done[u], units[u].numel))
-            used += units[u].numel
-        events = ([ready[arrivals[nxt]]] if nxt < n else []) + ([flight[0][0]] if queue else [])
+        while queue and used < credit:
+            if not batch and cycle_s:
+                tick = math.ceil(now / cycle_s - 1e-9) * cycle_s
+            batch.append(heapq.heappop(queue)[2])
+            used += units[batch[-1]].numel
+        if batch and (not cycle_s or now >= tick):
+            start = tick if cycle_s else now
+            for group in fuse_pieces([units[u].numel for u in batch], fusion if cycle_s else 0):
+                members = [batch[i] for i in group]
+                elements = sum(units[u].numel for u in members)
+                finish = comm.issue(members[0], elements * ELEMENT_SIZE, start)
+                for u in members:
+                    done[u] = finish
+                heapq.heappush(flight, (finish, elements))
+            batch = []
+            continue
+        events = ([ready[arrivals[nxt]]] if nxt < n else []) + (
+            [flight[0][0]] if queue and flight else []) + ([tick] if batch else [])
         if not events:
             break
         now = max(now, min(events))

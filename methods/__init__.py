@@ -20,13 +20,14 @@ from methods.allreduce import AllreduceTransport
 from methods.base import Method
 from methods.ddp import DDPMethod
 from methods.engine import Engine
+from methods.layout import ASSIGNMENTS
 from methods.plan import PLANNERS
 from methods.ps import PSTransport, stop_servers
 from methods.sched import SCHEDULERS
 from methods.server import serve
 
 TRANSPORTS = {"allreduce": AllreduceTransport, "ps": PSTransport, "ddp": None}
-INJECTED = {"group", "timeout_s"}  # passed by build(), not by the YAML
+INJECTED = {"group", "timeout_s", "workers_per_node", "node_groups"}  # from build(), not YAML
 DDP_INJECTED = {"device_ids", "process_group"}
 TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
@@ -40,9 +41,11 @@ def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return args.pop("name"), args
 
 
-def uses_servers(method: Mapping[str, Any]) -> bool:
-    """Whether the method needs parameter-server processes."""
-    return method["transport"]["name"] == "ps"
+def uses_servers(method: Mapping[str, Any], *, nodes: int) -> bool:
+    """Whether the method needs parameter-server processes on `nodes` nodes: PS methods do,
+    except with node-local aggregation (the default) on one node (methods/ps.py)."""
+    transport = method["transport"]
+    return transport["name"] == "ps" and not (transport.get("local_reduce", True) and nodes == 1)
 
 
 def wrong_type(func: Callable, key: str, value: Any) -> str | None:
@@ -116,24 +119,33 @@ def _elements(method: Mapping[str, Any], kind: str, stem: str) -> int | None:
 
 
 def _check_sizes(method: Mapping[str, Any]) -> None:
-    """Partitions and credits must be positive, and a credit must hold one partition."""
+    """Partitions, credits and fusion sizes must be positive (a credit smaller than a
+    partition is fine: ByteScheduler lets one piece go whenever any credit is left)."""
     _positive(method, "transport", "partition_bytes")
     partition = _elements(method, "planner", "partition")
     if method["planner"]["name"] == "partition" and partition is None:
         raise ValueError(f"method {method['name']!r}: planner 'partition' needs "
                          "method.planner.partition_elements or method.planner.partition_bytes")
-    credit = _elements(method, "scheduler", "credit")
-    if partition is not None and credit is not None and credit < partition:
-        raise ValueError(f"method {method['name']!r}: the scheduler's credit ({credit} elements) "
-                         f"is smaller than one partition ({partition} elements); raise "
-                         "method.scheduler.credit_* or lower method.planner.partition_*")
+    _elements(method, "scheduler", "credit")
+    _positive(method, "scheduler", "fusion_bytes")
+    rule = method["transport"].get("assignment")
+    if rule is not None and rule not in ASSIGNMENTS:
+        raise ValueError(f"method {method['name']!r}: method.transport.assignment={rule!r} is "
+                         f"unknown; choose one of: {', '.join(ASSIGNMENTS)}")
+    cycle = method["scheduler"].get("cycle_s")
+    if cycle is not None and cycle < 0:
+        raise ValueError(f"method {method['name']!r}: method.scheduler.cycle_s={cycle} is "
+                         "invalid; it must be >= 0 (0: no cycle, every piece alone)")
 
 
 def build(method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device: torch.device,
-          timeout_s: float = 300.0) -> Method:
+          timeout_s: float = 300.0, workers_per_node: int = 1,
+          node_groups: tuple | None = None) -> Method:
     """Instantiate the method described by a conf/method/ entry on the workers' group.
 
-    `timeout_s` bounds every wait of the method that torch.distributed does not.
+    `timeout_s` bounds every wait of the method that torch.distributed does not; PS
+    methods aggregate inside nodes of `workers_per_node` workers on `node_groups`
+    (harness.launch.node_groups).
     """
     transport, t_args = _split(method["transport"])
     if transport == "ddp":
@@ -144,8 +156,16 @@ def build(method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device:
     scheduler, s_args = _split(method["scheduler"])
     return Engine(
         name=method["name"],
-        transport=TRANSPORTS[transport](group=group, timeout_s=timeout_s, **t_args),
+        transport=_transport(transport, t_args, group=group, timeout_s=timeout_s,
+                             workers_per_node=workers_per_node, node_groups=node_groups),
         planner=PLANNERS[planner](**p_args),
         scheduler=SCHEDULERS[scheduler](timeout_s=timeout_s, **s_args),
         timeout_s=timeout_s,
     )
+
+
+def _transport(name: str, args: dict[str, Any], **injected: Any) -> Any:
+    """The transport `name`, given those of `injected` its signature takes."""
+    cls = TRANSPORTS[name]
+    accepted = inspect.signature(cls).parameters
+    return cls(**args, **{k: v for k, v in injected.items() if k in accepted})

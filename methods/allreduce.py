@@ -47,6 +47,7 @@ class AllreduceTransport:
     """
 
     ordered = True
+    fuses = True  # any chunks may be summed as one (the priority scheduler's fusion)
 
     def __init__(self, *, group: dist.ProcessGroup | None = None,
                  timeout_s: float | None = None) -> None:

@@ -149,13 +149,16 @@ class GradBuffer:
     (start, end).
     """
 
-    def __init__(self, params: list[nn.Parameter], *, scale: float = 1.0) -> None:
+    def __init__(self, params: list[nn.Parameter], *, scale: float = 1.0,
+                 names: list[str] | None = None) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.params = params
         self.scale = scale
+        self.names = names or [str(i) for i in range(len(params))]  # PS keys follow them
         self.sizes = [p.numel() for p in params]
+        self.rows = [p.shape[0] if p.dim() else 1 for p in params]  # size along dimension 0
         self.offsets = [0, *itertools.accumulate(self.sizes)][:-1]
         self.flat = torch.zeros(sum(self.sizes), dtype=params[0].dtype, device=params[0].device)
         self.views = [self.flat[off : off + n].view_as(p)
@@ -199,4 +202,9 @@ class GradBuffer:
 
 def backward_order(model: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters, output side first: the order their gradients appear."""
-    return [p for p in reversed(list(model.parameters())) if p.requires_grad]
+    return [p for _, p in backward_named(model)]
+
+
+def backward_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of `backward_order`."""
+    return [(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]

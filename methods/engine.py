@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from methods.base import GradBuffer, Method, Scheduler, Transport, backward_order
+from methods.base import GradBuffer, Method, Scheduler, Transport, backward_named, backward_order
 from methods.costmodel import fit_allreduce_cost
 from methods.order import global_rank
 from methods.plan import Unit
@@ -49,8 +49,10 @@ class Engine(Method):
         if getattr(self.transport, "identity", False):
             self.active = _StepAside(backward_order(model))
             return model
-        self.buffer = GradBuffer(backward_order(model), scale=self.transport.scale)
-        units = self.planner.plan(self.buffer.sizes, element_size=self._element_size())
+        names, params = zip(*backward_named(model))
+        self.buffer = GradBuffer(list(params), scale=self.transport.scale, names=list(names))
+        units = self.planner.plan(self.buffer.sizes, element_size=self._element_size(),
+                                  rows=self.buffer.rows)
         if getattr(self.planner, "profile_iters", 0):
             self.profiler = BackwardProfiler(model, self.buffer.params,
                                              device=self.buffer.flat.device)

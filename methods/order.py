@@ -3,9 +3,10 @@
 Collectives are matched by issue order, so a priority queue whose order
 depends on when gradients happen to be ready would hang or average the wrong
 chunks. As in ByteScheduler's all-reduce plug-in, rank 0 of the group picks
-the next unit from its own queue and sends its index to every other rank
-(point-to-point, tag ORDER_TAG, one small message per decision); the others
-issue exactly that sequence, each as soon as the unit is ready locally.
+the next units from its own queue (one unit, or a group fused into one
+all-reduce) and sends their indices to every other rank (point-to-point, tag
+ORDER_TAG: [count, first index], then the other indices if any); the others issue exactly that
+sequence, each group as soon as its units are ready locally.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 ORDER_TAG = 0x5EED
-STOP = -1
+STOP = -1  # the count that ends the sequence
 
 
 def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -29,28 +30,39 @@ class OrderLeader:
         self.peers = [global_rank(group, r) for r in range(1, dist.get_world_size(group))]
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def announce(self, unit: int) -> None:
-        msg = torch.tensor([unit], dtype=torch.int64)
+    def announce(self, units: list[int]) -> None:
+        """Every other rank issues `units` (one group) next."""
+        self._send(torch.tensor([len(units), units[0]], dtype=torch.int64))
+        if len(units) > 1:
+            self._send(torch.tensor(units[1:], dtype=torch.int64))
+
+    def _send(self, msg: torch.Tensor) -> None:
         self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
         for peer in self.peers:
             self.pending.append((dist.isend(msg, dst=peer, group=self.group, tag=ORDER_TAG), msg))
 
     def close(self) -> None:
         """Tell the followers to stop, and wait until every announcement has left."""
-        self.announce(STOP)
+        self._send(torch.tensor([STOP, STOP], dtype=torch.int64))
         for w, _ in self.pending:
             w.wait()
         self.pending.clear()
 
 
 class OrderFollower:
-    """Every other rank's side: the next unit rank 0 decided, or STOP."""
+    """Every other rank's side: the next group rank 0 decided, or None at the end."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.leader = global_rank(group, 0)
-        self.msg = torch.empty(1, dtype=torch.int64)
+        self.head = torch.empty(2, dtype=torch.int64)
 
-    def next(self) -> int:
-        dist.recv(self.msg, src=self.leader, group=self.group, tag=ORDER_TAG)
-        return int(self.msg.item())
+    def next(self) -> list[int] | None:
+        dist.recv(self.head, src=self.leader, group=self.group, tag=ORDER_TAG)
+        n, first = self.head.tolist()
+        if n == STOP:
+            return None
+        rest = torch.empty(n - 1, dtype=torch.int64)
+        if n > 1:
+            dist.recv(rest, src=self.leader, group=self.group, tag=ORDER_TAG)
+        return [first, *rest.tolist()]

@@ -2,7 +2,8 @@
 
 A unit is a contiguous (start, end) element range of the flat gradient buffer,
 together with the parameter indices whose gradients it needs before it can go.
-Every planner has `plan(sizes, *, element_size) -> list[Unit]` and `describe()`;
+Every planner has `plan(sizes, *, element_size, rows) -> list[Unit]` (`rows`: each
+tensor's size along dimension 0, for planners that slice along it) and `describe()`;
 a planner that needs measurements of the running job (MG-WFBP) also has
 `profile_iters` and `plan_measured(...)`, and the engine feeds it.
 """
@@ -10,6 +11,7 @@ a planner that needs measurements of the running job (MG-WFBP) also has
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +54,8 @@ def size_in_elements(*, elements: int | None, nbytes: int | None, element_size: 
 class Bucket:
     """All gradients in one unit (BSP, the study's 512 MB fusion buffer)."""
 
-    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
+    def plan(self, sizes: list[int], *, element_size: int = 4,
+             rows: list[int] | None = None) -> list[Unit]:
         return groups_to_units(sizes, [list(range(len(sizes)))])
 
     def describe(self) -> dict[str, Any]:
@@ -62,15 +65,28 @@ class Bucket:
 class PerTensor:
     """One unit per gradient tensor (WFBP without fusion)."""
 
-    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
+    def plan(self, sizes: list[int], *, element_size: int = 4,
+             rows: list[int] | None = None) -> list[Unit]:
         return groups_to_units(sizes, [[i] for i in range(len(sizes))])
 
     def describe(self) -> dict[str, Any]:
         return {"planner": "per_tensor"}
 
 
+def slices(numel: int, rows: int, limit: int) -> list[tuple[int, int]]:
+    """ByteScheduler's cut of one tensor: whole if it has at most `limit` elements, else
+    ceil(numel / limit) near-equal slices along dimension 0 (as torch.chunk: whole rows,
+    ceil(rows / k) per slice, the last one smaller). (start, end) within the tensor."""
+    if numel <= limit:
+        return [(0, numel)]
+    rows = rows if rows and numel % rows == 0 else numel
+    row = numel // rows
+    per = math.ceil(rows / math.ceil(numel / limit))
+    return [(r * row, min(r + per, rows) * row) for r in range(0, rows, per)]
+
+
 class Partition:
-    """Every tensor cut into pieces of at most `partition` elements (ByteScheduler).
+    """Tensors larger than `partition` elements cut into near-equal slices (ByteScheduler).
 
     The size is given in elements (`partition_elements`, the A2A default
     4,000,000) or in bytes (`partition_bytes`, BytePS's 4,096,000).
@@ -85,16 +101,33 @@ class Partition:
         self.elements, self.nbytes = partition_elements, partition_bytes
         self.size: int | None = None
 
-    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
+    def plan(self, sizes: list[int], *, element_size: int = 4,
+             rows: list[int] | None = None) -> list[Unit]:
         self.size = size_in_elements(elements=self.elements, nbytes=self.nbytes,
                                      element_size=element_size, what="planner partition")
-        units = []
-        for i, (start, end) in enumerate(_tensor_ranges(sizes)):
-            units += [Unit(s, min(s + self.size, end), (i,)) for s in range(start, end, self.size)]
-        return units
+        rows = rows or sizes
+        return [Unit(start + s, start + e, (i,))
+                for i, (start, _) in enumerate(_tensor_ranges(sizes))
+                for s, e in slices(sizes[i], rows[i], self.size)]
 
     def describe(self) -> dict[str, Any]:
         return {"planner": "partition", "partition_elements": self.size}
+
+
+def fuse_pieces(numels: list[int], limit: int) -> list[list[int]]:
+    """Horovod's fusion of the pieces issued in one cycle (in issue order): consecutive
+    ones share a group while its elements stay within `limit` (0: each alone).
+    Returns groups of indices into `numels`."""
+    groups: list[list[int]] = []
+    filled = 0
+    for i, n in enumerate(numels):
+        if groups and filled + n <= limit:
+            groups[-1].append(i)
+            filled += n
+        else:
+            groups.append([i])
+            filled = n
+    return groups
 
 
 def mgwfbp_groups(sizes: list[int], backward_s: list[float], cost: Cost, *,
@@ -163,7 +196,8 @@ class MergedGroups:
         self.cost: Cost | None = None
         self.backward_s: list[float] | None = None
 
-    def plan(self, sizes: list[int], *, element_size: int = 4) -> list[Unit]:
+    def plan(self, sizes: list[int], *, element_size: int = 4,
+             rows: list[int] | None = None) -> list[Unit]:
         """The plan while profiling: one bucket."""
         return Bucket().plan(sizes)
 

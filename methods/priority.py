@@ -2,25 +2,32 @@
 
 Gradient hooks put a tensor's partitions into a queue ordered by the tensor's
 index in the model, input side first (its gradient is needed first by the next
-forward). An issuer thread starts the highest-priority partition while fewer
-than `credit` elements are in flight (one always may go). A completer thread
-waits for partitions in issue order and, when a layer's last partition is back,
-applies that layer's update (methods/layerwise.py); the next forward of the
-layer waits only for that. A partition's credit comes back only once its
-communication has really finished (`Handle.complete`: on a GPU `wait` only
-orders the stream). `synchronize` and `step` therefore return at once; `drain`
-waits until every update is applied and nothing is in flight.
+forward). An issuer thread starts the highest-priority partition whenever any
+credit is left (ByteScheduler blocks only while the remaining credit is <= 0, then
+subtracts the piece: up to credit plus one piece is in flight, and no piece is
+ever refused). A completer thread waits for partitions in issue order and, when a
+layer's last partition is back, applies that layer's update (methods/layerwise.py);
+the next forward of the layer waits only for that. A partition's credit comes back
+only once its communication has really finished (`Handle.complete`: on a GPU
+`wait` only orders the stream). `synchronize` and `step` therefore return at
+once; `drain` waits until every update is applied and nothing is in flight.
 
-With several ranks, rank 0 decides the issue order and the others follow it
-(methods/order.py). Collectives need that to be correct at all. PS messages
-are matched by key, but a partition's pull completes only once every worker
-has pushed it, so workers whose credit windows held different partitions
+With `cycle_s` the pieces go as ByteScheduler's went through Horovod: the ones
+issued within one cycle start together at its end, consecutive ones fused into one
+all-reduce of at most `fusion_bytes` (Horovod's fusion buffer: copied in and out
+unless they already lie next to each other in the flat buffer).
+
+With several ranks, rank 0 decides the issue order (and the fused groups) and the
+others follow it (methods/order.py). Collectives need that to be correct at all.
+PS messages are matched by key, but a partition's pull completes only once every
+worker has pushed it, so workers whose credit windows held different partitions
 could wait for each other forever; one order makes the windows agree.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import queue
 import threading
 import time
@@ -33,8 +40,8 @@ from torch.utils.hooks import RemovableHandle
 from methods.base import GradBuffer, Transport
 from methods.delay import HookDelay
 from methods.layerwise import LayerUpdates
-from methods.order import STOP, OrderFollower, OrderLeader
-from methods.plan import Unit, size_in_elements
+from methods.order import OrderFollower, OrderLeader
+from methods.plan import Unit, fuse_pieces, size_in_elements
 
 JOIN_S = 10.0
 
@@ -58,12 +65,17 @@ class Priority:
     """The priority scheduler with credit (Peng et al., SOSP 2019), as the study ran it."""
 
     def __init__(self, *, credit_elements: int | None = None, credit_bytes: int | None = None,
+                 cycle_s: float = 0.0, fusion_bytes: int | None = None,
                  hook_delay_s: float = 0.0, delay_seed: int = 0,
                  timeout_s: float = 300.0) -> None:
-        for name, value in (("credit_elements", credit_elements), ("credit_bytes", credit_bytes)):
+        for name, value in (("credit_elements", credit_elements), ("credit_bytes", credit_bytes),
+                            ("fusion_bytes", fusion_bytes)):
             if value is not None and value <= 0:
                 raise ValueError(f"scheduler {name}={value} is invalid; it must be > 0")
+        if cycle_s < 0:
+            raise ValueError(f"scheduler cycle_s={cycle_s} is invalid; it must be >= 0")
         self.credit_spec = (credit_elements, credit_bytes)
+        self.cycle_s, self.fusion_bytes = cycle_s, fusion_bytes
         self.hook_delay_s, self.delay_seed = hook_delay_s, delay_seed
         self.timeout_s = timeout_s
         self.failure = Failure()
@@ -75,6 +87,9 @@ class Priority:
     def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit],
                transport: Transport) -> None:
         self.buffer, self.units, self.transport = buffer, units, transport
+        if (self.cycle_s or self.fusion_bytes) and not getattr(transport, "fuses", False):
+            raise ValueError("scheduler cycle_s and fusion_bytes need a transport that can fuse "
+                             "pieces (allreduce)")
         self.credit = self._credit(buffer.flat.element_size())
         self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s,
                                    check=self.failure.check)
@@ -106,14 +121,8 @@ class Priority:
         elements, nbytes = self.credit_spec
         if elements is None and nbytes is None:
             elements = 16_000_000  # the study's ByteScheduler-A2A credit
-        credit = size_in_elements(elements=elements, nbytes=nbytes, element_size=element_size,
-                                  what="scheduler credit")
-        largest = max((u.numel for u in self.units), default=0)
-        if credit < largest:
-            raise ValueError(f"scheduler credit of {credit} elements is smaller than the "
-                             f"largest partition ({largest} elements); raise the credit or "
-                             "lower the planner's partition")
-        return credit
+        return size_in_elements(elements=elements, nbytes=nbytes, element_size=element_size,
+                                what="scheduler credit")
 
     def _index(self, n: int) -> None:
         """Per parameter its units; per unit its priority (input side first) and layer."""
@@ -183,64 +192,90 @@ class Priority:
         self.layers.release()
 
     def _issue(self) -> None:
-        """Leader or independent rank: start the best ready partition the credit allows."""
+        """Leader or independent rank: start the best ready partitions while credit is left,
+        each at once, or with `cycle_s` those of one cycle together at its end."""
+        batch: list[int] = []
+        origin, tick = time.monotonic(), 0.0
         while True:
             with self.cond:
-                while not self.stopping and not self._may_issue():
-                    self.cond.wait()
+                while not self.stopping:
+                    if self.heap and self.inflight < self.credit:
+                        _, u = heapq.heappop(self.heap)
+                        self.inflight += self.units[u].numel
+                        batch.append(u)
+                        if not self.cycle_s:
+                            break
+                        if len(batch) == 1:  # Horovod's loop runs every cycle from the start
+                            tick = origin + math.ceil((time.monotonic() - origin) /
+                                                      self.cycle_s) * self.cycle_s
+                    elif not batch:
+                        self.cond.wait()
+                    elif (left := tick - time.monotonic()) > 0:
+                        self.cond.wait(left)
+                    else:
+                        break
                 if self.stopping:
                     return
-                _, u = heapq.heappop(self.heap)
-                self.inflight += self.units[u].numel
-            if self.order is not None:
-                self.order.announce(u)
-            self._start(u)
+            for group in self._fuse(batch):
+                if self.order is not None:
+                    self.order.announce(group)
+                self._start(group)
+            batch = []
 
-    def _may_issue(self) -> bool:
-        if not self.heap:
-            return False
-        numel = self.units[self.heap[0][1]].numel
-        return self.inflight == 0 or self.inflight + numel <= self.credit
+    def _fuse(self, batch: list[int]) -> list[list[int]]:
+        """Consecutive pieces of `batch` fused up to `fusion_bytes` (else each alone)."""
+        limit = (self.fusion_bytes or 0) // self.buffer.flat.element_size()
+        groups = fuse_pieces([self.units[u].numel for u in batch], limit)
+        return [[batch[i] for i in group] for group in groups]
 
     def _follow(self) -> None:
-        """Follower: start exactly the units rank 0 announces, each once it is ready here."""
-        while (u := self.order.next()) != STOP:
+        """Follower: start exactly the groups rank 0 announces, each once it is ready here."""
+        while (group := self.order.next()) is not None:
             deadline = time.monotonic() + self.timeout_s
             with self.cond:
-                while not self.ready[u] and not self.stopping:
+                while not all(self.ready[u] for u in group) and not self.stopping:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(f"rank 0 issued partition {u}, whose gradient was "
-                                           f"not ready here within {self.timeout_s:g} s")
+                        raise TimeoutError(f"rank 0 issued partitions {group}, whose gradients "
+                                           f"were not ready here within {self.timeout_s:g} s")
                     self.cond.wait(left)
                 if self.stopping:
                     return
-                self.ready[u] = False
-                self.inflight += self.units[u].numel
-            self._start(u)
+                for u in group:
+                    self.ready[u] = False
+                    self.inflight += self.units[u].numel
+            self._start(group)
 
-    def _start(self, u: int) -> None:
-        unit = self.units[u]
-        self.done.put((u, self.transport.start(self.buffer.slice(unit.start, unit.end), key=u)))
+    def _start(self, group: list[int]) -> None:
+        units = sorted((self.units[u] for u in group), key=lambda unit: unit.start)
+        if all(a.end == b.start for a, b in zip(units, units[1:])):  # one slice of the buffer
+            chunk = self.buffer.slice(units[0].start, units[-1].end)
+            handle = self.transport.start(chunk, key=group[0])
+        else:
+            handle = Fused(self.transport, [self.buffer.slice(u.start, u.end) for u in units],
+                           key=group[0])
+        self.done.put((group, handle))
 
     def _complete(self) -> None:
         """Wait for partitions in issue order; update each layer when its last one is back;
         return a partition's credit once its communication has really finished."""
         while (item := self.done.get()) is not None:
-            u, handle = item
-            handle.wait()  # the update below, queued after this, reads the average
-            layer = self.layer_of_unit[u]
+            group, handle = item
+            handle.wait()  # the updates below, queued after this, read the average
+            finished = []
             with self.cond:
-                self.remaining[layer] -= 1
-                finished = self.remaining[layer] == 0
-                if finished:
-                    self.layer_iter[layer] = -1
-            if finished:
+                for u in group:
+                    layer = self.layer_of_unit[u]
+                    self.remaining[layer] -= 1
+                    if self.remaining[layer] == 0:
+                        self.layer_iter[layer] = -1
+                        finished.append(layer)
+            for layer in finished:
                 self.layers.apply(layer)
             handle.complete()
             with self.cond:
-                self.inflight -= self.units[u].numel
-                self.busy -= int(finished)
+                self.inflight -= sum(self.units[u].numel for u in group)
+                self.busy -= len(finished)
                 self.cond.notify_all()
 
     # -- the training loop's calls (main thread) --------------------------------------
@@ -301,4 +336,25 @@ class Priority:
 
     def describe(self) -> dict[str, Any]:
         return {"scheduler": "priority", "credit_elements": self.credit, "order": self.role,
+                "cycle_s": self.cycle_s, "fusion_bytes": self.fusion_bytes,
                 "units": [[u.start, u.end] for u in self.units]}
+
+
+class Fused:
+    """Pieces that are not next to each other, all-reduced as one (Horovod's fusion
+    buffer): copied into one tensor, started, and copied back on `wait`."""
+
+    __slots__ = ("handle", "fused", "chunks")
+
+    def __init__(self, transport: Transport, chunks: list[torch.Tensor], *, key: int) -> None:
+        self.chunks = chunks
+        self.fused = torch.cat(chunks)
+        self.handle = transport.start(self.fused, key=key)
+
+    def wait(self) -> None:
+        self.handle.wait()
+        for chunk, part in zip(self.chunks, self.fused.split([c.numel() for c in self.chunks])):
+            chunk.copy_(part)
+
+    def complete(self) -> None:
+        self.handle.complete()

@@ -1,11 +1,15 @@
-"""Parameter-server side: sum the W workers' partitions, average, answer each worker.
+"""Parameter-server side, as BytePS's server: receive pushes, sum them on an engine, answer.
 
-One thread per worker reads that worker's control stream in order
-(methods/ps.py describes the protocol) and receives each announced partition
-from exactly that worker on exactly that key's tag. When the last of the W
-contributions of a key arrives, that thread sums them in worker order (the
-order the single-process reference accumulates in), divides by W and sends
-the average back to every worker on the key's tag.
+One thread per worker reads that worker's control stream in order (methods/ps.py
+describes the protocol) and receives each announced partition from exactly that
+worker on exactly that key's tag, then queues it for the engine. The engine thread
+adds the queued pushes into each key's sum (the first one is copied) and, when the
+key has one push from every node (the pushing roots), sends the sum back to each of
+them. Workers pre-divide their gradients, so the sum is the average.
+
+The engine's queue is FIFO, or with `server_schedule` (BytePS's
+BYTEPS_SERVER_ENABLE_SCHEDULE) serves first the key with the most pushes waiting,
+FIFO on ties (`EngineQueue`): it favours keys about to finish.
 
 A server serves many plans in a row (the benchmark builds a fresh method per
 repeat; MG-WFBP re-plans after profiling): the k-th OPEN of every worker
@@ -15,8 +19,10 @@ belongs to plan k, and a plan's buffers are freed when all workers closed it.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,39 +32,71 @@ from methods.ps import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPE
 POLL_S = 0.2
 
 
+class EngineQueue:
+    """The server engine's queue of pushes, each (key, item): FIFO, or with `schedule` the
+    oldest push of the key with the most pushes waiting."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, Any, bool]] = []  # (key, item, schedule) in arrival order
+        self.waiting: collections.Counter = collections.Counter()
+        self.cond = threading.Condition()
+
+    def put(self, key: int, item: Any, *, schedule: bool = False) -> None:
+        with self.cond:
+            self.items.append((key, item, schedule))
+            self.waiting[key] += 1
+            self.cond.notify()
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """The next push to sum (None after `timeout_s` with nothing queued)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.items, timeout_s):
+                return None
+            i = 0
+            if self.items[0][2]:  # scheduled: most waiting first; max() keeps the oldest on ties
+                i = max(range(len(self.items)), key=lambda j: (self.waiting[self.items[j][0]], -j))
+            key, item, _ = self.items.pop(i)
+            self.waiting[key] -= 1
+            return item
+
+
 class _Slot:
-    """One key: each worker's latest contribution, their average, and its answers in flight."""
+    """One key: each node's latest push, the running sum, and its answers in flight."""
 
-    __slots__ = ("inputs", "total", "arrived", "sends", "lock")
+    __slots__ = ("inputs", "total", "summed", "sends", "key")
 
-    def __init__(self, numel: int, dtype: torch.dtype, workers: int) -> None:
-        self.inputs = [torch.empty(numel, dtype=dtype) for _ in range(workers)]
+    def __init__(self, key: int, numel: int, dtype: torch.dtype, nodes: int) -> None:
+        self.key = key
+        self.inputs = [torch.empty(numel, dtype=dtype) for _ in range(nodes)]
         self.total = torch.empty(numel, dtype=dtype)
-        self.arrived = 0
+        self.summed = 0
         self.sends: list[dist.Work] = []
-        self.lock = threading.Lock()
 
 
 class _Plan:
-    """The keys this server owns in one plan, and how many workers have closed it."""
+    """The keys this server owns in one plan, who pushes them, and who has closed it."""
 
-    def __init__(self, layout: torch.Tensor, dtype: torch.dtype, workers: int) -> None:
-        self.layout = layout
+    def __init__(self, layout: torch.Tensor, dtype: torch.dtype, *, workers: int,
+                 node_size: int, schedule: bool) -> None:
+        self.layout, self.node_size, self.schedule = layout, node_size, schedule
+        self.roots = list(range(0, workers, node_size))  # the ranks that push and pull
         pairs = layout.reshape(-1, 2).tolist()
-        self.slots = {key: _Slot(numel, dtype, workers) for key, numel in pairs}
+        self.slots = {key: _Slot(key, numel, dtype, len(self.roots)) for key, numel in pairs}
         self.first_key = min(self.slots, default=-1)
         self.closed = 0
 
 
 class Server:
-    """The state of one parameter server, shared by its per-worker threads."""
+    """The state of one parameter server, shared by its per-worker threads and its engine."""
 
     def __init__(self, *, num_workers: int, on_round: Callable[[int], None] | None = None) -> None:
         self.workers = num_workers
         self.on_round = on_round
         self.plans: dict[int, _Plan] = {}
         self.lock = threading.Lock()
+        self.queue = EngineQueue()
         self.rounds = 0
+        self.pushes: collections.Counter = collections.Counter()  # per worker, all plans
 
     def stream(self, worker: int) -> None:
         """Serve worker `worker`'s control stream until it sends STOP."""
@@ -68,15 +106,19 @@ class Server:
             dist.recv(msg, src=worker, tag=CTRL_TAG)
             op, count, dtype = msg[:3].tolist()
             if op == OPEN:
-                layout = torch.empty(2 * int(msg[3]), dtype=torch.int64)  # [key, numel] pairs
+                keys, node_size, schedule = msg[3:6].tolist()
+                layout = torch.empty(2 * keys, dtype=torch.int64)  # [key, numel] pairs
                 dist.recv(layout, src=worker, tag=LAYOUT_TAG)
                 number += 1
-                plan = self._open(number, layout, DTYPES[dtype], worker)
+                plan = self._open(number, layout, DTYPES[dtype], worker, node_size,
+                                  bool(schedule))
             elif op == PUSH:
+                node = worker // plan.node_size
                 for key in msg[3 : 3 + count].tolist():
                     slot = plan.slots[key]
-                    dist.recv(slot.inputs[worker], src=worker, tag=KEY_TAG + key)
-                    self._arrived(plan, key, slot)
+                    dist.recv(slot.inputs[node], src=worker, tag=KEY_TAG + key)
+                    self.pushes[worker] += 1
+                    self.queue.put(key, (plan, slot, node), schedule=plan.schedule)
             elif op == CLOSE:
                 self._close(number, plan)
             elif op == STOP:
@@ -84,32 +126,38 @@ class Server:
             else:
                 raise ValueError(f"unknown control message {op} from worker {worker}")
 
-    def _open(self, number: int, layout: torch.Tensor, dtype: torch.dtype,
-              worker: int) -> _Plan:
+    def _open(self, number: int, layout: torch.Tensor, dtype: torch.dtype, worker: int,
+              node_size: int, schedule: bool) -> _Plan:
         with self.lock:
             plan = self.plans.get(number)
             if plan is None:
-                plan = self.plans[number] = _Plan(layout, dtype, self.workers)
-            elif not torch.equal(plan.layout, layout):
+                plan = self.plans[number] = _Plan(layout, dtype, workers=self.workers,
+                                                  node_size=node_size, schedule=schedule)
+            elif not torch.equal(plan.layout, layout) or plan.node_size != node_size:
                 raise ValueError(f"worker {worker} opened plan {number} with other keys than "
                                  "the workers before it; all workers must run the same method")
         return plan
 
-    def _arrived(self, plan: _Plan, key: int, slot: _Slot) -> None:
-        with slot.lock:
-            slot.arrived += 1
-            if slot.arrived < self.workers:
-                return
-            slot.arrived = 0
-        for work in slot.sends:  # the previous round's answers have left
-            work.wait()
-        slot.total.copy_(slot.inputs[0])
-        for contribution in slot.inputs[1:]:
-            slot.total.add_(contribution)
-        slot.total.div_(self.workers)
-        slot.sends = [dist.isend(slot.total, dst=w, tag=KEY_TAG + key)
-                      for w in range(self.workers)]
-        if key == plan.first_key and self.on_round is not None:
+    def engine(self, running: Callable[[], bool]) -> None:
+        """Sum queued pushes while `running()`; answer each key once every node pushed it."""
+        while running():
+            if (item := self.queue.get(POLL_S)) is not None:
+                self._add(*item)
+
+    def _add(self, plan: _Plan, slot: _Slot, node: int) -> None:
+        if slot.summed == 0:
+            for work in slot.sends:  # the previous round's answers have left
+                work.wait()
+            slot.total.copy_(slot.inputs[node])
+        else:
+            slot.total.add_(slot.inputs[node])
+        slot.summed += 1
+        if slot.summed < len(plan.roots):
+            return
+        slot.summed = 0
+        slot.sends = [dist.isend(slot.total, dst=root, tag=KEY_TAG + slot.key)
+                      for root in plan.roots]
+        if slot.key == plan.first_key and self.on_round is not None:
             self.on_round(self.rounds)
             self.rounds += 1
 
@@ -124,8 +172,9 @@ class Server:
                 work.wait()
 
 
-def serve(*, num_workers: int, on_round: Callable[[int], None] | None = None) -> None:
-    """Be a parameter server for workers [0, num_workers) until all of them send STOP.
+def serve(*, num_workers: int, on_round: Callable[[int], None] | None = None) -> Server:
+    """Be a parameter server for workers [0, num_workers) until all of them send STOP;
+    returns the server (its `pushes` per worker say who pushed how much).
 
     `on_round(i)` is called after the i-th aggregation round of a plan's first
     key (the harness injects server faults there). Any error, such as a worker
@@ -134,18 +183,25 @@ def serve(*, num_workers: int, on_round: Callable[[int], None] | None = None) ->
     server = Server(num_workers=num_workers, on_round=on_round)
     errors: list[BaseException] = []
 
-    def run(worker: int) -> None:
-        try:
-            server.stream(worker)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
-            errors.append(exc)
+    def guarded(fn: Callable, *args) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
+                errors.append(exc)
+        return run
 
-    threads = [threading.Thread(target=run, args=(w,), daemon=True, name=f"ps-worker{w}")
-               for w in range(num_workers)]
+    threads = [threading.Thread(target=guarded(server.stream, w), daemon=True,
+                                name=f"ps-worker{w}") for w in range(num_workers)]
     for t in threads:
         t.start()
+    engine = threading.Thread(target=guarded(server.engine, lambda: not errors and any(
+        t.is_alive() for t in threads)), daemon=True, name="ps-engine")
+    engine.start()
     while not errors and (alive := [t for t in threads if t.is_alive()]):
         alive[0].join(POLL_S)
+    engine.join()
     if errors:
         raise RuntimeError(f"parameter server rank {dist.get_rank()} failed: "
                            f"{errors[0]}") from errors[0]
+    return server

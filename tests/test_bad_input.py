@@ -55,8 +55,8 @@ ROWS = [
     ("harness.run", ["cluster=emulated", "cluster.nodes=300"],
      ["cluster.nodes=300", "300 emulated hosts", "250"]),
     ("harness.run", ["run.fault.rank=99"], ["run.fault.rank=99", "0..0", "-1"]),
-    ("harness.run", ["method=bsp_ps", "cluster.workers_per_node=2", "run.fault.rank=3"],
-     ["run.fault.rank=3", "0..2"]),
+    ("harness.run", ["method=bsp_ps", "cluster.nodes=2", "run.fault.rank=4"],
+     ["run.fault.rank=4", "0..3"]),
     ("harness.run", ["run.fault.at_iter=-1"], ["run.fault.at_iter=-1", ">= 0"]),
     # output folders: checked, never made
     ("harness.run", ["results_dir={tmp}/file.txt"], ["results_dir=", "file.txt is a file"]),

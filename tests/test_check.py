@@ -46,9 +46,9 @@ def test_every_method_passes(workers: int, results_dir) -> None:
 
 
 def test_failing_methods_are_named_and_fail_the_check(results_dir) -> None:
-    # rank 2 is the parameter server of bsp_ps, which fails on purpose in its first round;
-    # bsp_a2a has no rank 2, so its configuration does not hold on this cluster
-    out = preflight("cluster.workers_per_node=2", "method=bsp_a2a,bsp_ps", "run.fault.rank=2",
+    # on two nodes of one worker rank 2 is a parameter server of bsp_ps, which fails on
+    # purpose in its first round; bsp_a2a has no rank 2, so its configuration does not hold
+    out = preflight("cluster.nodes=2", "method=bsp_a2a,bsp_ps", "run.fault.rank=2",
                     results_dir=results_dir)
     assert out.returncode == 1, out.stdout + out.stderr
     lines = summary(out.stdout)
@@ -62,14 +62,14 @@ def test_failing_methods_are_named_and_fail_the_check(results_dir) -> None:
 
 def test_torchrun_runs_the_same_launches_on_every_rank(results_dir) -> None:
     # two processes: the A2A methods run one after another in the same processes (each
-    # on a store of its own), bsp_ps needs a third process and is skipped
-    out = preflight("cluster.workers_per_node=2", "method=ddp,bsp_ps,bsp_a2a",
+    # on a store of its own); bsp_ps on two nodes needs their two servers and is skipped
+    out = preflight("cluster.nodes=2", "method=ddp,bsp_ps,bsp_a2a",
                     results_dir=results_dir, module="torch.distributed.run",
                     args=("--standalone", "--nproc-per-node=2", "-m", "harness.check"))
     assert out.returncode == 0, out.stdout + out.stderr
     lines = summary(out.stdout)
     assert lines[:2] == ["environment: ok", "ddp: ok"] and lines[3] == "bsp_a2a: ok"
-    assert lines[2].startswith("bsp_ps: skipped: needs 3 processes")
+    assert lines[2].startswith("bsp_ps: skipped: needs 4 processes")
     assert out.stdout.count("== summary") == 1, "only rank 0 reports"
     assert not results_dir.exists()
 

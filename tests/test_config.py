@@ -116,7 +116,8 @@ def test_bad_input_exits_2_without_traceback_as_a_command(tmp_path) -> None:
 
 
 def test_the_tests_largest_local_runs_fit_this_machine() -> None:
-    config.load(["method=bsp_ps", "cluster.workers_per_node=3", "cluster.servers=2"])
+    config.load(["method=bsp_ps", "cluster.workers_per_node=3", "cluster.servers=2",
+                 "method.transport.local_reduce=false"])
     config.load(["cluster.workers_per_node=4"])
 
 

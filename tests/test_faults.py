@@ -159,8 +159,11 @@ def _assert_failed_cleanly(run: Run, fault: Fault, code: int) -> None:
 def test_fault_ends_the_run_with_one_row_naming_the_cause(fault: Fault, method: str,
                                                           tmp_path: Path) -> None:
     sweep = ["-m", "run.seed=0,1"] if fault.action.startswith("SIG") else []
-    run = Run(tmp_path, *sweep, f"method={method}", f"cluster.workers_per_node={fault.workers}",
-              *fault.overrides, timeout_s=fault.timeout_s)
+    # PS methods with every worker pushing: one node then has its server (rank 2)
+    ps = ["method.transport.local_reduce=false"] if method.endswith("_ps") else []
+    run = Run(tmp_path, *sweep, f"method={method}", *ps,
+              f"cluster.workers_per_node={fault.workers}", *fault.overrides,
+              timeout_s=fault.timeout_s)
     _act(run, fault.action)
     code = run.finish(timeout=fault.timeout_s + 180)
     _assert_failed_cleanly(run, fault, code)

@@ -1,18 +1,20 @@
 """The seven methods (and ddp) are lossless, on all-reduce and on parameter servers.
 
 The lossless matrix starts real processes once per cluster shape (Gloo on CPU,
-workers plus parameter servers) and runs every method of conf/method/ in them
-(a new YAML file is covered for free) on a ResNet flavor (SGD + momentum) and a
-BERT flavor (AdamW), with small partitions and credits so that tensors really
-are split, and random per-rank delays in the gradient hooks so that ranks see
-gradients at different times. After 3 steps the parameters must equal the
+workers plus parameter servers; 1 and 2 nodes of 2 and 3 workers) and runs every
+method of conf/method/ in them (a new YAML file is covered for free; on two nodes
+the PS methods) and every combination of the PS switches (node-local aggregation,
+hash or balanced servers, server scheduling) on a ResNet flavor (SGD + momentum)
+and a BERT flavor (AdamW), with small partitions and credits so that tensors
+really are split, and random per-rank delays in the gradient hooks so that ranks
+see gradients at different times. After 3 steps the parameters must equal the
 single-process reference of harness.verify and be identical on every rank.
 Every job runs with the garbage collector off, and nothing the method, model and
 optimizer were made of may outlive `method.close()` (no reference cycles).
 
 Two workers sum exactly (a + b is the reference's g0 + g1), so there a ResNet
 at lr 0.1, whose ReLU and max-pool kinks turn any wrong bit into a visible
-difference, must match. With three workers an all-reduce sums in another order
+difference, must match. With more workers an all-reduce sums in another order
 than the reference; the ResNet flavor there uses lr 1e-4 so that the rounding
 stays within float tolerance after 3 steps (at lr 0.1 no all-reduce method,
 bsp_a2a included, meets it).
@@ -39,11 +41,11 @@ import yaml
 import methods
 from harness import config, verify
 from harness.bench import build, model_of
-from harness.launch import Context
+from harness.launch import Context, node_groups
 from harness.verify import flat_params, reference, train
 from methods.costmodel import Cost, least_squares
+from methods.layout import assign, cut
 from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
-from methods.ps import assign, cut
 from tests.conftest import REPO, run_module
 
 METHOD_FILES = sorted((REPO / "conf" / "method").glob("*.yaml"))
@@ -54,13 +56,19 @@ RESNET = ["model=resnet50_small", "model.build.arch=resnet18", "model.build.imag
 BERT = ["model=bert_tiny", "model.build.hidden_size=64", "model.build.intermediate_size=128",
         "model.build.seq_len=16", "+model.build.vocab_size=1000", "model.local_batch_size=2"]
 FLAVORS = {
-    2: {"resnet": RESNET, "bert": BERT},
-    3: {"resnet": [*RESNET, "model.optimizer.lr=1e-4"], "bert": BERT},
+    "resnet": RESNET, "bert": BERT,  # more than two workers: another order of summation
+    "resnet_many": [*RESNET, "model.optimizer.lr=1e-4"], "bert_many": BERT,
 }
 PARTITION = {"resnet": 50_000, "bert": 8_192}  # elements: both models get split tensors
 HOOK_DELAY_S = 0.002
-SHAPES = [(2, 2), (3, 1)]  # (workers, servers): world sizes 2 and 3, PS with 2 and 1 servers
-MATRIX_TIMEOUT_S = 420
+PS_METHODS = [m for m in METHODS if m.endswith("_ps")]
+SWITCHES = [(local, rule, sched) for local in (True, False) for rule in ("hash", "balanced")
+            for sched in (False, True)]
+# (nodes, workers per node, server processes, methods, flavors): one node runs every
+# method, two nodes (where node-local aggregation and servers meet) the PS methods
+SHAPES = [(1, 2, 1, METHODS, ("resnet", "bert")), (1, 3, 1, METHODS, ("resnet", "bert")),
+          (2, 2, 2, PS_METHODS, ("resnet", "bert")), (2, 3, 2, PS_METHODS, ("bert",))]
+MATRIX_TIMEOUT_S = 600
 
 
 # -- planners, cost model, server assignment (no processes) ----------------------------
@@ -123,13 +131,13 @@ def test_planners_cover_the_buffer_contiguously() -> None:
     assert all(u.numel <= 8 for u in Partition(partition_elements=8).plan(sizes))
 
 
-def test_server_partitions_are_balanced_and_deterministic() -> None:
+def test_balanced_server_partitions_are_balanced_and_deterministic() -> None:
     units = Bucket().plan([1_000_000, 3_000_000, 500])
     parts = [e - s for s, e in cut(units, 1_024_000)[0]]
     assert sum(parts) == 4_000_500 and max(parts) <= 1_024_000
-    owners = assign(parts, [2, 3])
-    assert owners == assign(parts, [2, 3])
-    loads = [sum(n for n, o in zip(parts, owners) if o == s) for s in (2, 3)]
+    owners = assign(list(range(len(parts))), parts, 2, "balanced")
+    assert owners == assign(list(range(len(parts))), parts, 2, "balanced")
+    loads = [sum(n for n, o in zip(parts, owners) if o == s) for s in (0, 1)]
     assert abs(loads[0] - loads[1]) <= max(parts)
 
 
@@ -137,16 +145,19 @@ def test_server_partitions_are_balanced_and_deterministic() -> None:
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["method=bsp_ps", "cluster.servers=0"], ["uses parameter servers", "cluster.servers=0"]),
+    (["method=bsp_ps", "cluster.nodes=2", "cluster.servers=0"],
+     ["uses parameter servers", "cluster.servers=0"]),
     (["method=wfbp_ps", "method.transport.partition_bytes=0"], ["partition_bytes=0", "> 0"]),
     (["method=bytescheduler_a2a", "method.planner.partition_elements=-5"],
      ["partition_elements=-5", "> 0"]),
     (["method=bytescheduler_a2a", "method.scheduler.credit_elements=0"],
      ["credit_elements=0", "> 0"]),
-    (["method=bytescheduler_a2a", "method.scheduler.credit_elements=1000"],
-     ["credit (1000 elements) is smaller than one partition (4000000 elements)"]),
-    (["method=bytescheduler_ps", "method.scheduler.credit_bytes=4000"],
-     ["smaller than one partition"]),
+    (["method=bytescheduler_a2a", "method.scheduler.cycle_s=-1"], ["cycle_s=-1", ">= 0"]),
+    (["method=bytescheduler_a2a", "method.scheduler.fusion_bytes=0"], ["fusion_bytes=0", "> 0"]),
+    (["method=wfbp_ps", "method.transport.assignment=random"],
+     ["assignment='random' is unknown", "hash, balanced"]),
+    (["method=wfbp_ps", "cluster.servers=2"],
+     ["runs without parameter servers", "method.transport.local_reduce=false"]),
     (["method=mgwfbp", "+method.planner.bucket=3"],
      ["method.planner.bucket is not an argument", "profile_iters"]),
 ])
@@ -160,8 +171,8 @@ def test_bad_method_settings_are_one_line_config_errors(overrides, words) -> Non
 
 
 def test_run_rejects_a_ps_method_without_servers_before_launch() -> None:
-    out = run_module("harness.run", "method=bytescheduler_ps", "cluster.servers=0",
-                     "results_dir=/nonexistent/never")
+    out = run_module("harness.run", "method=bytescheduler_ps", "cluster.nodes=2",
+                     "cluster.servers=0", "results_dir=/nonexistent/never")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "cluster.servers=0" in out.stderr
 
@@ -191,10 +202,33 @@ def _method_overrides(name: str, flavor: str) -> list[str]:
     return out
 
 
-def _jobs(workers: int) -> list[tuple[str, str, list[str]]]:
-    return [(name, flavor, [*FLAVORS[workers][flavor], *_method_overrides(name, flavor),
-                            "run.timeout_s=120"])
-            for flavor in FLAVORS[workers] for name in METHODS]
+def _variants(nodes: int) -> list[tuple[str, list[str]]]:
+    """wfbp_ps under every combination of the PS switches its defaults and
+    bytescheduler_ps do not already run (on one node with node-local aggregation the
+    others have no server to act on: that is one combination)."""
+    out = []
+    for local, rule, sched in SWITCHES:
+        if local and (nodes == 1 or rule == "hash"):
+            continue
+        label = f"wfbp_ps[local_reduce={local},{rule},server_schedule={sched}]"
+        out.append((label, [f"method.transport.local_reduce={str(local).lower()}",
+                            f"method.transport.assignment={rule}",
+                            f"method.transport.server_schedule={str(sched).lower()}"]))
+    return out
+
+
+def _jobs(nodes: int, per_node: int, names: list[str], flavors) -> list[tuple[str, str, list[str]]]:
+    shape = [f"cluster.nodes={nodes}", f"cluster.workers_per_node={per_node}", "run.force=true",
+             "run.timeout_s=120"]
+    runs = [(n, []) for n in names] + _variants(nodes)
+    jobs = []
+    for flavor in flavors:
+        overrides = FLAVORS[flavor if nodes * per_node == 2 else f"{flavor}_many"]
+        for label, extra in runs:
+            name = label.split("[")[0]
+            jobs.append((label, flavor, [*overrides, *_method_overrides(name, flavor), *extra,
+                                         *shape]))
+    return jobs
 
 
 def _free_port() -> int:
@@ -203,12 +237,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context(rank: int, world: int, workers: int) -> Context:
-    group = dist.new_group(list(range(workers)), timeout=dt.timedelta(seconds=120))
+def _context(rank: int, world: int, workers: int, per_node: int) -> Context:
+    timeout = dt.timedelta(seconds=120)
+    group = dist.new_group(list(range(workers)), timeout=timeout)
     return Context(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
                    num_workers=workers, num_servers=world - workers, run_id="test",
                    run_dir=None, device=torch.device("cpu"), backend="gloo",
-                   worker_group=group)
+                   worker_group=group, node_groups=node_groups(workers, per_node,
+                                                               timeout=timeout))
 
 
 def _compare(cfg, mine: torch.Tensor, refs: dict, flavor: str, workers: int) -> dict:
@@ -273,19 +309,21 @@ def _first_uses() -> None:
         opt.step()
 
 
-def _matrix_rank(rank: int, world: int, workers: int, port: int, out: str) -> None:
+def _matrix_rank(rank: int, world: int, shape: tuple, port: int, out: str) -> None:
     """One process of the matrix: a server serves; a worker runs every job in turn."""
+    nodes, per_node, _, names, flavors = shape
+    workers = nodes * per_node
     _first_uses()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=120))
-    ctx = _context(rank, world, workers)
+    ctx = _context(rank, world, workers, per_node)
     if rank >= workers:
         methods.serve(num_workers=workers)
         dist.destroy_process_group()
         return
     results, refs = {}, {}
-    for name, flavor, overrides in _jobs(workers):
+    for name, flavor, overrides in _jobs(nodes, per_node, names, flavors):
         started = time.perf_counter()
         cfg = config.load(overrides)
         try:
@@ -330,54 +368,67 @@ def _spawn(fn, world: int, *args, timeout_s: float) -> list[int]:
     return [p.exitcode for p in procs]
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=[f"w{w}s{s}" for w, s in SHAPES])
-def matrix(request, tmp_path_factory) -> tuple[int, int, dict]:
-    workers, servers = request.param
+def _shape_id(shape: tuple) -> str:
+    nodes, per_node, servers, names, _ = shape
+    return f"n{nodes}x{per_node}s{servers}" + ("" if names is METHODS else "-ps")
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=[_shape_id(s) for s in SHAPES])
+def matrix(request, tmp_path_factory) -> tuple[int, dict]:
+    nodes, per_node, servers, names, flavors = shape = request.param
+    world = nodes * per_node + servers
     out = tmp_path_factory.mktemp("matrix") / "results.json"
     started = time.monotonic()
-    codes = _spawn(_matrix_rank, workers + servers, workers, _free_port(), str(out),
+    codes = _spawn(_matrix_rank, world, shape, _free_port(), str(out),
                    timeout_s=MATRIX_TIMEOUT_S)
-    assert codes == [0] * (workers + servers), f"exit codes {codes}"
+    assert codes == [0] * world, f"exit codes {codes}"
     results = json.loads(out.read_text())
+    expected = {f"{n}/{f}" for n, f, _ in _jobs(nodes, per_node, names, flavors)}
+    missing = expected - set(results)
+    assert not missing, f"did not run (an earlier job failed): {sorted(missing)}"
     results["_seconds"] = time.monotonic() - started
-    return workers, servers, results
+    return nodes * per_node, results
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("flavor", ["resnet", "bert"])
-def test_lossless(matrix, method: str, flavor: str) -> None:
-    workers, servers, results = matrix
-    got = results.get(f"{method}/{flavor}")
-    assert got is not None, f"{method} did not run (an earlier job failed): {results.keys()}"
-    assert "error" not in got, got.get("error")
-    assert got["mismatch"] is None, f"{method} x{workers} {flavor}: {got['mismatch']}"
-    assert got["max_rank_diff"] == 0.0, f"ranks disagree by {got['max_rank_diff']}"
-    if workers == 2:  # two-term sums are exact: any difference is a bug
-        assert got["max_abs_diff"] == 0.0
+def _jobs_of(results: dict) -> dict[str, dict]:
+    return {k: v for k, v in results.items() if not k.startswith("_")}
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("flavor", ["resnet", "bert"])
-def test_nothing_outlives_close(matrix, method: str, flavor: str) -> None:
-    workers, servers, results = matrix
-    got = results.get(f"{method}/{flavor}")
-    assert got is not None and "error" not in got, f"{method} did not run"
-    alive = {rank: names for rank, names in enumerate(got["alive"]) if names}
-    assert not alive, f"{method} x{workers} {flavor}: alive after close() and del without a " \
-                      f"garbage collection, per rank: {alive}"
+def test_lossless(matrix) -> None:
+    workers, results = matrix
+    bad = {}
+    for key, got in _jobs_of(results).items():
+        if "error" in got:
+            bad[key] = got["error"]
+        elif got["mismatch"] is not None:
+            bad[key] = got["mismatch"]
+        elif got["max_rank_diff"] != 0.0:
+            bad[key] = f"ranks disagree by {got['max_rank_diff']}"
+        elif workers == 2 and got["max_abs_diff"] != 0.0:  # two-term sums are exact
+            bad[key] = f"two workers differ from the reference by {got['max_abs_diff']}"
+    assert not bad, f"x{workers}: " + "\n".join(f"{k}: {v}" for k, v in bad.items())
+
+
+def test_nothing_outlives_close(matrix) -> None:
+    workers, results = matrix
+    alive = {key: {rank: names for rank, names in enumerate(got["alive"]) if names}
+             for key, got in _jobs_of(results).items() if "alive" in got}
+    alive = {k: v for k, v in alive.items() if v}
+    assert not alive, f"x{workers}: alive after close() and del without a garbage " \
+                      f"collection, per job and rank: {alive}"
 
 
 def test_partitions_really_split_tensors_and_plans_are_recorded(matrix) -> None:
-    workers, servers, results = matrix
-    for key, got in results.items():
-        if key.startswith("_") or "error" in got:
+    workers, results = matrix
+    for key, got in _jobs_of(results).items():
+        if "error" in got:
             continue
         name, flavor = key.split("/")
-        if name.startswith("bytescheduler"):
+        if name in ("bytescheduler_a2a", "priority_ps"):
             tensors = 62 if flavor == "resnet" else 41  # resnet18; the BERT flavor
             assert got["units"] > tensors, (key, got)
             assert got["order"] == "leader"  # rank 0 decides the issue order
-        if name.endswith("_ps"):
+        if name.endswith("_ps") or name.startswith("wfbp_ps["):
             assert got["partitions"] > 1, (key, got)
         if name == "mgwfbp":
             assert got["groups"] and got["alpha_s"] is not None, (key, got)
@@ -386,7 +437,7 @@ def test_partitions_really_split_tensors_and_plans_are_recorded(matrix) -> None:
 # -- one process: the schedulers' own machinery leaves no cycle ---------------------------
 
 ONE_PROCESS = [n for n in METHODS if not methods.uses_servers(
-    yaml.safe_load((REPO / "conf" / "method" / f"{n}.yaml").read_text()))]
+    yaml.safe_load((REPO / "conf" / "method" / f"{n}.yaml").read_text()), nodes=1)]
 
 
 class _Tiny(torch.nn.Module):

@@ -41,7 +41,7 @@ class _Gated:
 
 
 class _GatedTransport:
-    ordered, identity, scale, rank, size, group = True, False, 1.0, 0, 1, None
+    ordered, identity, scale, rank, size, group, fuses = True, False, 1.0, 0, 1, None, True
 
     def __init__(self) -> None:
         self.log: list = []
@@ -49,6 +49,7 @@ class _GatedTransport:
 
     def start(self, chunk: torch.Tensor, *, key: int) -> _Gated:
         self.log.append(("start", key))
+        self.sizes = [*getattr(self, "sizes", []), chunk.numel()]
         self.handles[key] = _Gated(key, self.log)
         return self.handles[key]
 
@@ -79,6 +80,67 @@ def test_priority_credit_comes_back_only_when_communication_really_finished() ->
         sched.drain()
         for key in _started(transport.log):
             assert transport.log.index(("wait", key)) < transport.log.index(("complete", key))
+    finally:
+        for h in transport.handles.values():
+            h.finished.set()
+        sched.close()
+
+
+def _three_layers(**scheduler) -> tuple[nn.Module, _GatedTransport, Priority, int]:
+    """Three 4x4 weights (16 elements each) under the priority scheduler, backward done."""
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
+    buffer = GradBuffer(backward_order(model))
+    units = PerTensor().plan(buffer.sizes)
+    transport = _GatedTransport()
+    sched = Priority(timeout_s=10, **scheduler)
+    sched.attach(model, buffer=buffer, units=units, transport=transport)
+    sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(2, 4)).sum().backward()
+    sched.synchronize()
+    return model, transport, sched, len(units)
+
+
+def _settle(transport: _GatedTransport, at_least: int) -> list[int]:
+    deadline = time.monotonic() + 10
+    while len(_started(transport.log)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(STUCK_S)
+    return _started(transport.log)
+
+
+@pytest.mark.parametrize("credit, in_flight", [(20, 2), (5, 1), (48, 3)])
+def test_priority_issues_while_any_credit_is_left(credit: int, in_flight: int) -> None:
+    # ByteScheduler blocks only once the remaining credit is <= 0: 20 lets two 16-element
+    # pieces go (32 in flight), 5 still lets one go (never refused), 48 all three
+    _, transport, sched, _ = _three_layers(credit_elements=credit)
+    try:
+        assert len(_settle(transport, in_flight)) == in_flight
+        while len(_started(transport.log)) < 3:  # finish what is in flight: the rest goes
+            for h in list(transport.handles.values()):
+                h.finished.set()
+            _settle(transport, len(_started(transport.log)) + 1)
+        for h in transport.handles.values():
+            h.finished.set()
+        sched.drain()
+    finally:
+        for h in transport.handles.values():
+            h.finished.set()
+        sched.close()
+
+
+@pytest.mark.parametrize("fusion_bytes, sizes", [(1 << 20, [48]), (128, [32, 16]),
+                                                 (None, [16, 16, 16])])
+def test_priority_fuses_the_pieces_of_one_cycle(fusion_bytes, sizes) -> None:
+    # all three gradients are ready long before the 0.2 s cycle ends: they start together,
+    # fused up to fusion_bytes (128 bytes: two 64-byte pieces, then the third alone)
+    _, transport, sched, _ = _three_layers(credit_elements=1000, cycle_s=0.2,
+                                           fusion_bytes=fusion_bytes)
+    try:
+        _settle(transport, len(sizes))
+        assert transport.sizes == sizes
+        for h in transport.handles.values():
+            h.finished.set()
+        sched.drain()
     finally:
         for h in transport.handles.values():
             h.finished.set()
@@ -136,6 +198,10 @@ def _parts() -> list[ps.Part]:
     return [ps.Part(0, 0, 3, server=5), ps.Part(1, 3, 6, server=6), ps.Part(2, 6, 8, server=5)]
 
 
+def _pipeline() -> ps._Pipeline:
+    return ps._Pipeline([5, 6], ps.Node(0, 1, None))  # a node of one worker: no collectives
+
+
 def _live_pipeline_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name in ("ps-poster", "ps-lander")]
 
@@ -154,8 +220,8 @@ def test_ps_pipeline_posts_header_before_data_per_server_and_stops(monkeypatch) 
     monkeypatch.setattr(ps.dist, "irecv", irecv)
     flat = torch.arange(8, dtype=torch.float32)
     staging = ps.HostStaging(flat)
-    pipeline = ps._Pipeline([5, 6])
-    jobs = [ps._Exchange(_parts(), staging=staging, copied=staging.to_host(0, 8), timeout_s=5)
+    pipeline = _pipeline()
+    jobs = [ps._Exchange(_parts(), staging=staging, ready=staging.ready(), timeout_s=5)
             for _ in range(2)]
     for job in jobs:
         pipeline.put(job)
@@ -179,8 +245,8 @@ def test_ps_pipeline_errors_surface_on_the_caller_naming_the_server(monkeypatch)
 
     monkeypatch.setattr(ps.dist, "isend", isend)
     staging = ps.HostStaging(torch.zeros(8))
-    pipeline = ps._Pipeline([5, 6])
-    jobs = [ps._Exchange(_parts(), staging=staging, copied=None, timeout_s=5) for _ in range(2)]
+    pipeline = _pipeline()
+    jobs = [ps._Exchange(_parts(), staging=staging, ready=None, timeout_s=5) for _ in range(2)]
     for job in jobs:
         pipeline.put(job)
     for job in jobs:
@@ -195,8 +261,8 @@ def test_ps_pipeline_errors_surface_on_the_caller_naming_the_server(monkeypatch)
 
 def test_ps_exchange_that_never_lands_times_out_naming_the_server() -> None:
     staging = ps.HostStaging(torch.zeros(8))
-    job = ps._Exchange(_parts(), staging=staging, copied=None, timeout_s=0.05)
-    with pytest.raises(RuntimeError, match=r"rank 5 failed or did not answer \(key 0\): no "
+    job = ps._Exchange(_parts(), staging=staging, ready=None, timeout_s=0.05)
+    with pytest.raises(RuntimeError, match=r"rank 5 \(key 0\) failed or did not answer: no "
                                            "answer within 0.05 s"):
         job.wait()
 

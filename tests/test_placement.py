@@ -56,11 +56,13 @@ def test_srun_cpus_per_task_are_not_divided_again(monkeypatch) -> None:
 @pytest.mark.parametrize("servers", [False, True], ids=["collectives", "servers"])
 def test_nothing_of_a_repeat_is_alive_in_the_next(servers: bool, tmp_path) -> None:
     names = [m for m in config.choices("method") if m.endswith("_ps") == servers]
+    # two nodes of one worker: the PS methods push to their two servers
+    shape = ["cluster.nodes=2"] if servers else ["cluster.workers_per_node=2"]
     code = ("import sys; from harness.launch import command, exit_now; "
             "exit_now(command(sys.argv[1:], entry='tests.release_entry'))")
     out = subprocess.run(
         [sys.executable, "-c", code, *TINY, "model=bert_tiny", f"method={names[0]}",
-         "cluster.workers_per_node=2", f"results_dir={tmp_path}"],
+         *shape, f"results_dir={tmp_path}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "RELEASE_METHODS": ",".join(names)})
     assert out.returncode == 0, out.stderr[-3000:]

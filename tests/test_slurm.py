@@ -149,10 +149,12 @@ def test_paper_dry_run_groups_the_study_by_resource_shape(tmp_path) -> None:
     # 3 models x 7 methods x 4 sizes + 3 one-GPU baselines
     assert "87 configurations: 0 already complete (skipped), 87 to run" in out.stdout
     # shapes: baselines 1x1; a2a 1x4 ... 8x4; PS with one co-located server per node: Nx5
-    # and one GPU per worker (cluster.slurm.gpus_per_node: null): gN
-    for shape, count in [("n1x1g1", 3), ("n1x4g4", 12), ("n8x4g4", 12), ("n1x5g4", 9),
+    # from 2 nodes (on one node BytePS needs no server: 1x4 like a2a), and one GPU per
+    # worker (cluster.slurm.gpus_per_node: null): gN
+    for shape, count in [("n1x1g1", 3), ("n1x4g4", 21), ("n8x4g4", 12), ("n2x5g4", 9),
                          ("n8x5g4", 9)]:
         assert f"array DRY-RUN-{shape}: {count} tasks" in out.stdout, shape
+    assert "n1x5g4" not in out.stdout
     assert "#SBATCH --nodes=8" in out.stdout and "srun" in out.stdout
     assert "#SBATCH --gpus-per-node=4" in out.stdout and "--mem" not in out.stdout
     assert "dry run, Slurm not asked" in out.stderr
@@ -171,7 +173,8 @@ def _srun_env(slurm: slurm_cluster.SlurmCluster) -> dict[str, str]:
 @pytest.mark.slurm
 @pytest.mark.parametrize("method, layout", [
     ("bsp_a2a", ["cluster.workers_per_node=2"]),
-    ("bsp_ps", ["cluster.workers_per_node=1", "cluster.servers=1"]),
+    ("bsp_ps", ["cluster.workers_per_node=1", "cluster.servers=1",
+                "method.transport.local_reduce=false"]),
 ])
 def test_srun_in_an_allocation_starts_one_run_of_its_tasks(slurm, tmp_path, method: str,
                                                            layout: list[str]) -> None:
