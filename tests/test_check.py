@@ -30,31 +30,36 @@ def summary(stdout: str) -> list[str]:
     return stdout.split("== summary\n", 1)[1].splitlines()
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_every_method_passes(workers: int, results_dir) -> None:
-    out = preflight(f"cluster.workers_per_node={workers}", results_dir=results_dir)
+@pytest.mark.parametrize("shape, workers, servers", [
+    ("cluster.workers_per_node=3", 3, 0),  # one node: PS methods need no server (BytePS)
+    ("cluster.nodes=2", 2, 2),             # two nodes of one worker: one server each
+])
+def test_every_method_passes(shape: str, workers: int, servers: int, results_dir) -> None:
+    out = preflight(shape, results_dir=results_dir)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = summary(out.stdout)
     assert [ln for ln in lines if ln.endswith(": ok")] == [
         "environment: ok", *(f"{m}: ok" for m in METHODS)]
-    # the environment check ran with the parameter server that PS methods add
+    # the environment check ran with the parameter servers that PS methods add
     roles = re.findall(r"^(\d+)\s+\S+\s+\d+\s+(worker|server)\s+cpu\s", out.stdout, re.M)
-    assert roles == [(str(r), "worker") for r in range(workers)] + [(str(workers), "server")]
+    assert roles == [(str(r), "worker") for r in range(workers)] + [
+        (str(workers + s), "server") for s in range(servers)]
     assert "group default (gloo): ok" in out.stdout
     assert "group workers (gloo): ok" in out.stdout
     assert not results_dir.exists(), "the check writes no result shards"
 
 
 def test_failing_methods_are_named_and_fail_the_check(results_dir) -> None:
-    # on two nodes of one worker rank 2 is a parameter server of bsp_ps, which fails on
-    # purpose in its first round; bsp_a2a has no rank 2, so its configuration does not hold
-    out = preflight("cluster.nodes=2", "method=bsp_a2a,bsp_ps", "run.fault.rank=2",
+    # on two nodes of one worker ranks 2 and 3 are bsp_ps's servers; the small model's one
+    # partition (key 0) hashes to rank 3, which fails on purpose in its first round;
+    # bsp_a2a has no rank 3, so its configuration does not hold
+    out = preflight("cluster.nodes=2", "method=bsp_a2a,bsp_ps", "run.fault.rank=3",
                     results_dir=results_dir)
     assert out.returncode == 1, out.stdout + out.stderr
     lines = summary(out.stdout)
     assert "environment: ok" in lines
-    assert "bsp_a2a: FAILED run.fault.rank=2 is not a rank of this run" in "\n".join(lines)
-    assert re.search(r"^bsp_ps: FAILED rank 2: .*injected fault at iteration 0$", "\n".join(lines),
+    assert "bsp_a2a: FAILED run.fault.rank=3 is not a rank of this run" in "\n".join(lines)
+    assert re.search(r"^bsp_ps: FAILED rank 3: .*injected fault at iteration 0$", "\n".join(lines),
                      re.M), lines
     assert lines[-1] == "2 check(s) failed"
     assert not results_dir.exists(), "a failed check writes no failed rows"

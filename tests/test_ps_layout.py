@@ -75,7 +75,7 @@ def test_resnet50_server_load_is_the_studys(servers: int, hashed: float) -> None
     shape = ["model=resnet50", "method=wfbp_ps", f"cluster.nodes={servers}"]
     assert _plan(*shape)["ps"]["busiest_over_mean"] == pytest.approx(hashed, abs=0.005)
     balanced = _plan(*shape, "method.transport.assignment=balanced")
-    assert balanced["ps"]["busiest_over_mean"] < 1.02
+    assert balanced["ps"]["busiest_over_mean"] < 1.05
 
 
 def test_the_plan_viewer_prints_and_writes_the_plan(tmp_path) -> None:
