@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -86,18 +88,31 @@ def test_priority_credit_comes_back_only_when_communication_really_finished() ->
         sched.close()
 
 
-def _three_layers(**scheduler) -> tuple[nn.Module, _GatedTransport, Priority, int]:
-    """Three 4x4 weights (16 elements each) under the priority scheduler, backward done."""
+@contextlib.contextmanager
+def _three_layers(**scheduler) -> Iterator[_GatedTransport]:
+    """Three 4x4 weights (16 elements each) under the priority scheduler, backward done;
+    on leaving, every communication finishes, the scheduler drains (if all went well)
+    and closes."""
     model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
     buffer = GradBuffer(backward_order(model))
-    units = PerTensor().plan(buffer.sizes)
     transport = _GatedTransport()
     sched = Priority(timeout_s=10, **scheduler)
-    sched.attach(model, buffer=buffer, units=units, transport=transport)
+    sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes), transport=transport)
     sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(torch.ones(2, 4)).sum().backward()
-    sched.synchronize()
-    return model, transport, sched, len(units)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        sched.synchronize()
+        yield transport
+        _finish_all(transport)
+        sched.drain()
+    finally:
+        _finish_all(transport)
+        sched.close()
+
+
+def _finish_all(transport: _GatedTransport) -> None:
+    for h in list(transport.handles.values()):
+        h.finished.set()
 
 
 def _settle(transport: _GatedTransport, at_least: int) -> list[int]:
@@ -112,20 +127,11 @@ def _settle(transport: _GatedTransport, at_least: int) -> list[int]:
 def test_priority_issues_while_any_credit_is_left(credit: int, in_flight: int) -> None:
     # ByteScheduler blocks only once the remaining credit is <= 0: 20 lets two 16-element
     # pieces go (32 in flight), 5 still lets one go (never refused), 48 all three
-    _, transport, sched, _ = _three_layers(credit_elements=credit)
-    try:
+    with _three_layers(credit_elements=credit) as transport:
         assert len(_settle(transport, in_flight)) == in_flight
         while len(_started(transport.log)) < 3:  # finish what is in flight: the rest goes
-            for h in list(transport.handles.values()):
-                h.finished.set()
+            _finish_all(transport)
             _settle(transport, len(_started(transport.log)) + 1)
-        for h in transport.handles.values():
-            h.finished.set()
-        sched.drain()
-    finally:
-        for h in transport.handles.values():
-            h.finished.set()
-        sched.close()
 
 
 @pytest.mark.parametrize("fusion_bytes, sizes", [(1 << 20, [48]), (128, [32, 16]),
@@ -133,18 +139,10 @@ def test_priority_issues_while_any_credit_is_left(credit: int, in_flight: int) -
 def test_priority_fuses_the_pieces_of_one_cycle(fusion_bytes, sizes) -> None:
     # all three gradients are ready long before the 0.2 s cycle ends: they start together,
     # fused up to fusion_bytes (128 bytes: two 64-byte pieces, then the third alone)
-    _, transport, sched, _ = _three_layers(credit_elements=1000, cycle_s=0.2,
-                                           fusion_bytes=fusion_bytes)
-    try:
+    with _three_layers(credit_elements=1000, cycle_s=0.2,
+                       fusion_bytes=fusion_bytes) as transport:
         _settle(transport, len(sizes))
         assert transport.sizes == sizes
-        for h in transport.handles.values():
-            h.finished.set()
-        sched.drain()
-    finally:
-        for h in transport.handles.values():
-            h.finished.set()
-        sched.close()
 
 
 class _Work:
