@@ -224,7 +224,7 @@ class _Exchange:
 
     def _landed(self) -> None:
         if not self.done.wait(self.timeout_s):
-            raise RuntimeError(f"{self.at} failed or did not answer: no answer within "
+            raise RuntimeError(f"{self.at} failed or did not answer: timed out after "
                                f"{self.timeout_s:g} s")
         if self.error is not None:
             raise RuntimeError(str(self.error)) from self.error

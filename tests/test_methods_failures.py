@@ -25,11 +25,11 @@ def _dying_server_rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=TIMEOUT_S))
-    ctx = _context(rank, world, workers=2)
+    ctx = _context(rank, world, workers=2, per_node=1)  # two nodes: one server
     if rank == 2:
         methods.serve(num_workers=2, on_round=lambda i: os._exit(3) if i == 1 else None)
         return
-    cfg = config.load([*BERT, "method=bsp_ps", "verify.steps=5", f"run.timeout_s={TIMEOUT_S}"])
+    cfg = config.load([*BERT, "method=bsp_ps", "cluster.nodes=2", "verify.steps=5", f"run.timeout_s={TIMEOUT_S}"])
     started = time.monotonic()
     try:
         train(cfg, ctx)

@@ -357,7 +357,7 @@ def test_reference_alone_reproduces_the_studys_headline_speedups(tmp_path):
 
 
 def test_two_thousand_shards_report_quickly(tmp_path):
-    methods = report.METHOD_ORDER
+    methods = report.METHOD_ORDER[:8]  # 8 methods x 5 sizes x 50 repeats
     rows = [
         row(m, ws, r, 10.0 * ws * (1 - 0.01 * i) + r, run_id=f"{m}-{ws}-{r}")
         for i, m in enumerate(methods)
