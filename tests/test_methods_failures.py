@@ -29,7 +29,8 @@ def _dying_server_rank(rank: int, world: int, port: int, out: str) -> None:
     if rank == 2:
         methods.serve(num_workers=2, on_round=lambda i: os._exit(3) if i == 1 else None)
         return
-    cfg = config.load([*BERT, "method=bsp_ps", "cluster.nodes=2", "verify.steps=5", f"run.timeout_s={TIMEOUT_S}"])
+    cfg = config.load([*BERT, "method=bsp_ps", "cluster.nodes=2", "verify.steps=5",
+                       f"run.timeout_s={TIMEOUT_S}"])
     started = time.monotonic()
     try:
         train(cfg, ctx)
