@@ -9,6 +9,7 @@ Throughput is global samples over the slowest rank's window.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -255,6 +256,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+@functools.cache  # one per process: a sweep's rows name one commit
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],

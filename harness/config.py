@@ -315,6 +315,10 @@ def _check_simulate(cfg: DictConfig) -> None:
     sim = cfg.simulate
     for name in ("simulate.profile_iters", "simulate.iterations"):
         _positive(name, OmegaConf.select(cfg, name))
+    for gpus in sim.calibrate_gpus or []:
+        if gpus < 2:
+            raise ConfigError(f"simulate.calibrate_gpus has {gpus}; fit on GPU counts above 1 "
+                              "(one GPU sends nothing), e.g. simulate.calibrate_gpus=[4]")
     rate = cfg.network.get("rate_mbit")
     if rate is not None:
         _positive("network.rate_mbit", rate)

@@ -27,6 +27,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import config
+from harness.cache import cached
 from harness.ranks import num_servers, num_workers
 from methods import layout
 from methods import plan as plans
@@ -48,20 +49,23 @@ class Tensors:
 
 @functools.cache
 def _tensors(family: str, build_json: str) -> Tensors:
-    import torch
+    def build() -> dict:
+        import torch
 
-    import models
-    from methods.base import backward_named
+        import models
+        from methods.base import backward_named
 
-    with torch.device("meta"):
-        model = models.family_class(family)(**json.loads(build_json))
-    named = backward_named(model)
-    return Tensors([n for n, _ in named], [p.numel() for _, p in named],
-                   [p.shape[0] if p.dim() else 1 for _, p in named])
+        with torch.device("meta"):
+            model = models.family_class(family)(**json.loads(build_json))
+        named = backward_named(model)
+        return {"names": [n for n, _ in named], "sizes": [p.numel() for _, p in named],
+                "rows": [p.shape[0] if p.dim() else 1 for _, p in named]}
+
+    return Tensors(**cached("tensors", [family, json.loads(build_json)], build))
 
 
 def tensors(model: DictConfig) -> Tensors:
-    """`model`'s tensors, built once per configuration on the meta device."""
+    """`model`'s tensors, built once per configuration on the meta device (and cached)."""
     return _tensors(model.family, json.dumps(dict(model.build), sort_keys=True))
 
 

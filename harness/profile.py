@@ -21,15 +21,10 @@ family, build arguments and the torch and transformers/torchvision versions.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -38,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from harness.bench import plain_training
+from harness.cache import cached
 from harness.timing import device_sync
 from methods.base import backward_order
 from methods.layerwise import module_layers
@@ -126,35 +122,17 @@ def counted(model_cfg: DictConfig, *, throughput: float, gpu: str) -> Compute:
 
 def _flops(model_cfg: DictConfig) -> Compute:
     """The iteration of one sample in FLOPs per step (from the cache when there)."""
-    versions = {d: _version(d) for d in ("torch", "transformers", "torchvision")}
-    key = json.dumps([model_cfg.family, dict(model_cfg.build), versions], sort_keys=True)
-    path = _cache_dir() / f"flops-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        return Compute(**{**data, "forward": [(tuple(n), t) for n, t in data["forward"]]})
-    with torch.device("meta"):
-        model = models.family_class(model_cfg.family)(**model_cfg.build)
-        batch = model.make_batch(1, None)  # FLOPs grow linearly with the batch
-    counter = FlopCounterMode(display=False)
-    with counter:
-        trace = _trace(model, batch, lambda: float(counter.get_total_flops()))
-    flops = _compute(model, *trace, scale=1.0, source="flops")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(flops)))
-    tmp.replace(path)
-    return flops
+    def count() -> dict:
+        with torch.device("meta"):
+            model = models.family_class(model_cfg.family)(**model_cfg.build)
+            batch = model.make_batch(1, None)  # FLOPs grow linearly with the batch
+        counter = FlopCounterMode(display=False)
+        with counter:
+            trace = _trace(model, batch, lambda: float(counter.get_total_flops()))
+        return dataclasses.asdict(_compute(model, *trace, scale=1.0, source="flops"))
 
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddlbench"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    data = cached("flops", [model_cfg.family, dict(model_cfg.build)], count)
+    return Compute(**{**data, "forward": [(tuple(n), t) for n, t in data["forward"]]})
 
 
 def measured(model_cfg: DictConfig, *, iters: int, device: torch.device, seed: int = 0,

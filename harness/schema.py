@@ -123,6 +123,8 @@ class SimulateConf:
     profile_iters: int = 5
     iterations: int = 6
     reference: str | None = None
+    calibrate: str | None = None
+    calibrate_gpus: list[int] | None = None
     advise: bool = False
 
 

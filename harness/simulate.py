@@ -19,8 +19,9 @@ A discrete-event model of training iterations, per configuration:
 
 Every configuration of the sweep becomes one result row with source=simulated (one
 shard per simulation), so `harness.report` draws simulated figures with the same code.
-`simulate.reference=<csv>` validates against measured throughputs, `simulate.advise=true`
-ranks the methods per model and cluster with the bottleneck of each.
+`simulate.calibrate=<csv>` fits each method's costs that no fact gives on one node's
+measurements (harness.calibrate), `simulate.reference=<csv>` validates against measured
+throughputs, `simulate.advise=true` ranks the methods per model and cluster.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import heapq
 import itertools
 import json
 import math
-import statistics
 import sys
 import uuid
 from collections.abc import Callable
@@ -39,7 +39,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from harness import checks, config, profile, results
+from harness import calibrate, config, profile, results
 from harness.launch import torch_threads
 from harness.plan import Tensors, plan_of, tensors
 from harness.ranks import num_servers, num_workers
@@ -161,8 +161,10 @@ class ParameterServers:
 
     Links are one-way queues: a node's uplink and downlink (a worker's own when nodes
     do not reduce locally), each server's downlink and uplink, and the node's bus
-    (intra-node links) up and down: the local reduce and the copy to host memory
-    before the push, the copy back and the local broadcast after the pull (BytePS).
+    (intra-node links) up and down. Up: the node's workers reduce-scatter the partition
+    and each copies its slice to host memory; down: the copies back and the all-gather
+    (BytePS). Both directions stream at once over the one PCIe fabric of the node, whose
+    rate the intra-node all-reduce fact gives, so each gets half of it.
     """
 
     net: Network
@@ -174,9 +176,10 @@ class ParameterServers:
     links: dict[str, _Link] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        local = self.local_reduce and self.per_node > 1
-        # bytes over the bus per byte of partition: reduce (or broadcast) and host copy
-        bus_share = (local * (self.per_node - 1) / self.per_node) + self.net.ps_host_copy
+        sharing = self.per_node if self.local_reduce else 1  # workers that share a partition
+        # bytes per worker over the bus per byte of partition, each way: the
+        # reduce-scatter (or all-gather) and the copy of its slice, at half the rate
+        bus_share = 2 * ((sharing - 1) + self.net.ps_host_copy) / sharing
         senders = self.nodes if self.local_reduce else self.nodes * self.per_node
         node_share = 1 if self.local_reduce else self.per_node
         self.links = {n: _Link() for n in ("node_up", "node_down", "bus_up", "bus_down")}
@@ -215,6 +218,8 @@ class Prediction:
     throughput: float
     speedup: float            # over the same model's compute alone on one worker
     exposed_s: float          # communication not hidden behind computation, per iteration
+    hidden_s: float           # communication hidden behind it: the busiest link's rest
+    messages: int             # communication units issued per iteration
     bottleneck: str
     plan: dict
 
@@ -262,16 +267,17 @@ def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Predicti
     iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
     exposed = max(0.0, iteration - compute.total_s)
     busiest, busy = max(comm.busy.items(), key=lambda kv: kv[1])
+    busy /= len(ends)
     bottleneck = "compute"
     if exposed > 0.05 * iteration:
         bottleneck = ("server link" if busiest.startswith("server")
                       else "exposed communication")
     plan = {**described, "units": len(units), "alpha_s": cost.alpha, "beta_s_per_byte": cost.beta,
-            "busiest_link": busiest, "busy_s_per_iteration": busy / len(ends),
+            "busiest_link": busiest, "busy_s_per_iteration": busy,
             "compute": compute.source, "network": net.name}
     samples = workers * cfg.model.local_batch_size
     return Prediction(iteration, samples / iteration, workers * compute.total_s / iteration,
-                      exposed, bottleneck, plan)
+                      exposed, max(0.0, busy - exposed), len(units), bottleneck, plan)
 
 
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
@@ -384,6 +390,8 @@ class ComputeProfiles:
         if key not in self.cache:
             import torch
 
+            print(f"profiling {model.name} on this machine ({together} process(es) of "
+                  f"{threads} thread(s))...", flush=True)
             torch.set_num_threads(threads)
             device = torch.device(config.resolve_device(cfg.cluster))
             self.cache[key] = (
@@ -396,6 +404,8 @@ class ComputeProfiles:
 
 
 def row(cfg: DictConfig, pred: Prediction, compute: profile.Compute, *, run_id: str) -> dict:
+    """The result row of a prediction, with its own columns for calibration (iteration_s,
+    hidden_s, messages, samples and one) beside those of results.COLUMNS."""
     from harness.bench import identity
 
     return {
@@ -406,95 +416,45 @@ def row(cfg: DictConfig, pred: Prediction, compute: profile.Compute, *, run_id: 
         "comm_s": pred.exposed_s, "update_s": compute.update_s, "status": "ok",
         "device": compute.source, "plan_json": json.dumps({**pred.plan,
                                                            "bottleneck": pred.bottleneck}),
+        "speedup": pred.speedup, "bottleneck": pred.bottleneck, "iteration_s": pred.iteration_s,
+        "hidden_s": pred.hidden_s, "messages": pred.messages, "one": 1.0,
+        "samples": num_workers(cfg) * cfg.model.local_batch_size,
     }
 
 
-def kendall_tau(x: list[float], y: list[float]) -> float:
-    """Kendall's tau-b of two orderings (ties within 1e-9 relative count as ties)."""
-    def sign(a: float, b: float) -> int:
-        return 0 if abs(a - b) <= 1e-9 * max(abs(a), abs(b)) else (1 if a > b else -1)
-
-    pairs = [(sign(x[i], x[j]), sign(y[i], y[j]))
-             for i, j in itertools.combinations(range(len(x)), 2)]
-    n0 = len(pairs)
-    tied_x = sum(1 for a, _ in pairs if a == 0)
-    tied_y = sum(1 for _, b in pairs if b == 0)
-    denom = math.sqrt((n0 - tied_x) * (n0 - tied_y))
-    return sum(a * b for a, b in pairs) / denom if denom else 0.0
-
-
-def measured_reference(reference: str) -> pd.DataFrame:
-    """A reference: a CSV in the study's format, or a results folder of measured runs."""
-    if not Path(reference).is_dir():
-        return pd.read_csv(reference)
-    runs = results.load(Path(reference))
-    runs = runs[(runs.status == "ok") & (runs.source == "measured")]
-    keys = ["model", "method", "network", "world_size"]
-    return (runs.groupby(keys, as_index=False).throughput.mean()
-            .rename(columns={"world_size": "gpus", "throughput": "throughput_mean"}))
-
-
-def read_reference(reference: str, cfgs: list[DictConfig]) -> pd.DataFrame:
-    """The reference's cells of the sweep `cfgs`, read and checked before anything is
-    simulated: ConfigError names the problem (missing, malformed, no cell of the sweep)."""
-    where = f"simulate.reference={reference}"
-    ref = checks.read_table(where, reference, read=measured_reference,
-                            columns=["model", "method", "network", "gpus", "throughput_mean"],
-                            numeric=["gpus", "throughput_mean"])
-    cells = {(c.model.name, c.method.name, c.network.name, num_workers(c)) for c in cfgs}
-    ref = ref[[cell in cells for cell in zip(ref.model, ref.method, ref.network, ref.gpus)]]
-    if ref.empty:
-        raise config.ConfigError(f"{where} has no cell of this sweep (network "
-                                 f"{', '.join(sorted({c.network.name for c in cfgs}))})")
-    return ref
-
-
-def validate_against(frame: pd.DataFrame, ref: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """Predicted vs measured throughput on the reference's cells (`read_reference`)."""
-    both = frame.merge(ref, left_on=["model", "method", "network", "world_size"],
-                       right_on=["model", "method", "network", "gpus"])
-    both["pct_error"] = 100 * (both.throughput - both.throughput_mean) / both.throughput_mean
-    taus = [kendall_tau(list(g.throughput), list(g.throughput_mean))
-            for _, g in both.groupby(["model", "world_size"]) if len(g) > 1]
-    err = both.pct_error.abs()
-    line = (f"median_abs_pct_error={err.median():.1f} max_abs_pct_error={err.max():.1f} "
-            f"mean_kendall_tau={statistics.fmean(taus) if taus else float('nan'):.2f}")
-    return both, line
-
-
-def advice(frame: pd.DataFrame) -> str:
-    """Per model and cluster: the methods ranked by predicted throughput."""
-    out = []
-    keys = ["model", "network", "nodes", "workers_per_node"]
-    for (model, net, nodes, per_node), g in frame[frame.world_size > 1].groupby(keys):
-        out.append(f"\n{model} on {nodes} node(s) x {per_node} worker(s), {net}:")
-        for i, r in enumerate(g.sort_values("throughput", ascending=False).itertuples(), 1):
-            out.append(f"  {i}. {r.method:<18} {r.throughput:10.1f} samples/s  "
-                       f"speedup {r.speedup:5.2f}x  bottleneck: {r.bottleneck}")
-    return "\n".join(out)
-
-
-def simulate(cfgs: list[DictConfig]) -> pd.DataFrame:
-    """Predict every configuration; print a line each; write one shard; return the rows."""
+def predict_sweep(cfgs: list[DictConfig]) -> pd.DataFrame:
+    """Predict every configuration: one row each (`row`)."""
     networks: dict[str, Network] = {}
     for cfg in cfgs:  # first, so a missing microbenchmark stops it before any profiling
         if cfg.network.name not in networks:
             networks[cfg.network.name] = network(cfg)
     profiles, run_id, rows = ComputeProfiles(), f"sim-{uuid.uuid4().hex[:8]}", []
-    for i, cfg in enumerate(cfgs, 1):
+    for cfg in cfgs:
         compute = profiles(cfg)
-        net = networks[cfg.network.name]
-        pred = predict(cfg, compute, net)
-        rows.append({**row(cfg, pred, compute, run_id=run_id), "speedup": pred.speedup,
-                     "bottleneck": pred.bottleneck})
-        print(f"[{i}/{len(cfgs)}] {cfg.model.name} {cfg.method.name} {cfg.cluster.nodes}x"
-              f"{cfg.cluster.workers_per_node} on {net.name}: {pred.throughput:.1f} samples/s, "
-              f"speedup {pred.speedup:.2f}x, exposed comm {pred.exposed_s * 1e3:.1f} ms/iter "
-              f"({pred.bottleneck})", flush=True)
-    path = results.shard_path(cfgs[0].results_dir, run_id, 0)
-    results.write_shard(path, [{k: v for k, v in r.items() if k in results.COLUMNS} for r in rows])
-    print(f"simulated {len(rows)} configurations -> {path}", flush=True)
+        rows.append(row(cfg, predict(cfg, compute, networks[cfg.network.name]), compute,
+                        run_id=run_id))
     return pd.DataFrame(rows)
+
+
+def write(frame: pd.DataFrame, uncalibrated: pd.DataFrame, costs: dict, results_dir: str) -> Path:
+    """Print a line per configuration and write them as one shard, each row's plan with
+    its method's fitted costs and its uncalibrated throughput."""
+    rows = []
+    for i, (r, raw) in enumerate(zip(frame.to_dict("records"),
+                                     uncalibrated.throughput), 1):
+        plan = json.loads(r["plan_json"])
+        if costs:
+            plan.update(calibration=costs.get(r["method"], {}), uncalibrated_throughput=raw)
+        rows.append({**{k: v for k, v in r.items() if k in results.COLUMNS},
+                     "plan_json": json.dumps(plan)})
+        print(f"[{i}/{len(frame)}] {r['model']} {r['method']} {r['nodes']}x"
+              f"{r['workers_per_node']} on {r['network']}: {r['throughput']:.1f} samples/s, "
+              f"speedup {r['speedup']:.2f}x, exposed comm {r['comm_s'] * 1e3:.1f} ms/iter "
+              f"({r['bottleneck']})", flush=True)
+    path = results.shard_path(results_dir, frame.run_id.iloc[0], 0)
+    results.write_shard(path, rows)
+    print(f"simulated {len(rows)} configurations -> {path}", flush=True)
+    return path
 
 
 def main(argv: list[str]) -> int:
@@ -502,13 +462,30 @@ def main(argv: list[str]) -> int:
         jobs = config.sweep(argv)
         cfgs = config.load_all(jobs, simulate=True)
         sim = cfgs[0].simulate
-        ref = read_reference(sim.reference, cfgs) if sim.reference else None
-        frame = simulate(cfgs)
+        ref = (calibrate.read_cells(f"simulate.reference={sim.reference}", sim.reference, cfgs)
+               if sim.reference else None)
+        measured = (calibrate.read_cells(f"simulate.calibrate={sim.calibrate}", sim.calibrate,
+                                         cfgs) if sim.calibrate else None)
+        fitted_on = (calibrate.fit_cells(measured, sim.calibrate_gpus)
+                     if measured is not None else measured)
+        raw = predict_sweep(cfgs)
+        costs = calibrate.fit(raw, fitted_on) if fitted_on is not None else {}
+        frame = calibrate.apply(raw, costs)
+        write(frame, raw, costs, cfgs[0].results_dir)
+        if costs:
+            print(calibrate.describe(costs, fitted_on, list(raw.method)))
+        errors = {}
+        check = ref if ref is not None else measured
+        if check is not None:  # the cells fitted on are no test of the fit
+            if fitted_on is not None:
+                check = check.merge(fitted_on[calibrate.CELL], how="left", indicator=True)
+                check = check[check._merge == "left_only"].drop(columns="_merge")
+            for name, predicted in [("uncalibrated", raw)] + [("calibrated", frame)] * bool(costs):
+                both, line = calibrate.validate(predicted, check)
+                errors = both.pct_error.abs().groupby(both.model).median().to_dict()
+                print(f"validation, {name}: {line}")
         if sim.advise:
-            print(advice(frame))
-        if ref is not None:
-            _, line = validate_against(frame, ref)
-            print(line)
+            print(calibrate.advice(frame, errors))
     except config.ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2

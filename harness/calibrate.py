@@ -1,0 +1,218 @@
+"""The simulator against measurements: fit the costs no fact gives, validate, advise.
+
+`simulate.calibrate=<csv in the study's format, or a folder of measured results>` fits,
+per method, three costs on the measured cells of `simulate.calibrate_gpus` (default:
+each model's and method's smallest GPU count above 1: one node) and adds them to every
+prediction of that method:
+
+    iteration = simulated + overlap_loss * hidden_s + message_s * messages + host_s
+
+- `overlap_loss` (0 to 1): compute time lost per second of communication hidden behind
+  it, because the GPU's SMs and memory and the node's PCIe serve both;
+- `message_s` (0 to 5 ms): training-thread time per message (one communication unit:
+  a tensor, a merged group, a piece) in an iteration: its hook, negotiation, scheduling;
+- `host_s` (0 to 0.5 s): training-thread time per iteration that the engine adds
+  whatever the model and cluster (its per-iteration bookkeeping).
+
+Each enters linearly, so the fit is a bounded least squares over the method's fit
+cells (seconds per iteration), solved exactly by trying every set of free costs; the
+simulation runs once. The cells it fits on are left out of the validation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
+
+from harness import checks, config, results
+from harness.ranks import num_workers
+
+CELL = ["model", "method", "network", "world_size"]
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    feature: str  # the prediction's column it multiplies (seconds per iteration per unit)
+    high: float   # the bound: 0 <= cost <= high
+    meaning: str
+
+
+TERMS = (
+    Term("overlap_loss", "hidden_s", 1.0,
+         "compute seconds lost per second of communication hidden behind it"),
+    Term("message_s", "messages", 0.005, "training-thread seconds per message per iteration"),
+    Term("host_s", "one", 0.5, "training-thread seconds per iteration"),
+)
+
+
+# -- measured cells ------------------------------------------------------------------------
+
+def measured(source: str) -> pd.DataFrame:
+    """Measured throughputs: a CSV in the study's format, or a folder of measured results
+    (their mean per cell)."""
+    if not Path(source).is_dir():
+        return pd.read_csv(source)
+    runs = results.load(Path(source))
+    runs = runs[(runs.status == "ok") & (runs.source == "measured")]
+    keys = ["model", "method", "network", "world_size"]
+    return (runs.groupby(keys, as_index=False).throughput.mean()
+            .rename(columns={"world_size": "gpus", "throughput": "throughput_mean"}))
+
+
+def read_cells(where: str, source: str, cfgs: list[DictConfig]) -> pd.DataFrame:
+    """The measured cells of the sweep `cfgs` in `source`, read and checked before anything
+    is simulated (`where` names the setting): ConfigError names the problem."""
+    ref = checks.read_table(where, source, read=measured,
+                            columns=["model", "method", "network", "gpus", "throughput_mean"],
+                            numeric=["gpus", "throughput_mean"])
+    cells = {(c.model.name, c.method.name, c.network.name, num_workers(c)) for c in cfgs}
+    ref = ref[[cell in cells for cell in zip(ref.model, ref.method, ref.network, ref.gpus)]]
+    if ref.empty:
+        raise config.ConfigError(f"{where} has no cell of this sweep (network "
+                                 f"{', '.join(sorted({c.network.name for c in cfgs}))})")
+    return ref.rename(columns={"gpus": "world_size"})[[*CELL, "throughput_mean"]]
+
+
+def fit_cells(cells: pd.DataFrame, gpus: list[int] | None) -> pd.DataFrame:
+    """The cells to fit on: those at `gpus`, or each model's and method's smallest GPU
+    count above 1."""
+    if gpus:
+        chosen = cells[cells.world_size.isin(gpus)]
+    else:
+        multi = cells[cells.world_size > 1]
+        smallest = multi.groupby(["model", "method"]).world_size.transform("min")
+        chosen = multi[multi.world_size == smallest]
+    if chosen.empty:
+        at = f"at {', '.join(map(str, gpus))} GPUs" if gpus else "above 1 GPU"
+        raise config.ConfigError(f"simulate.calibrate has no cell of this sweep {at} to fit "
+                                 f"on; set simulate.calibrate_gpus to GPU counts it has")
+    return chosen
+
+
+# -- the fit -----------------------------------------------------------------------------
+
+def _bounded_least_squares(a: np.ndarray, y: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """min |a x - y| with 0 <= x <= high: the best over every choice of free costs (the
+    others at 0 or their bound); ties go to fewer free costs."""
+    n = a.shape[1]
+    best: tuple[float, int, np.ndarray] | None = None
+    for fixed in itertools.product((None, 0.0, 1.0), repeat=n):  # free, at 0, at its bound
+        x = np.array([0.0 if f is None else f * h for f, h in zip(fixed, high)])
+        free = [i for i, f in enumerate(fixed) if f is None]
+        if free:
+            x[free] = np.linalg.lstsq(a[:, free], y - a @ x, rcond=None)[0]
+            if (x[free] < 0).any() or (x[free] > high[free]).any():
+                continue
+        residual = float(np.sum((a @ x - y) ** 2))
+        key = (round(residual, 12), len(free))
+        if best is None or key < best[:2]:
+            best = (*key, x)
+    assert best is not None  # every cost at 0 is always admissible
+    return best[2]
+
+
+def fit(predicted: pd.DataFrame, cells: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per method, the costs that best explain the measured `cells` (bounded least
+    squares over their iteration times)."""
+    both = predicted.merge(cells, on=CELL)
+    costs = {}
+    for method, rows in both.groupby("method"):
+        a = rows[[t.feature for t in TERMS]].to_numpy(float)
+        y = (rows.samples / rows.throughput_mean - rows.iteration_s).to_numpy(float)
+        x = _bounded_least_squares(a, y, np.array([t.high for t in TERMS]))
+        costs[method] = {t.name: float(v) for t, v in zip(TERMS, x)}
+    return costs
+
+
+def apply(predicted: pd.DataFrame, costs: dict[str, dict[str, float]]) -> pd.DataFrame:
+    """The predictions with each method's costs added (methods without: unchanged)."""
+    out = predicted.copy()
+    extra = np.zeros(len(out))
+    for t in TERMS:
+        extra += out.method.map(lambda m, name=t.name: costs.get(m, {}).get(name, 0.0)) * out[
+            t.feature]
+    iteration = out.iteration_s + extra
+    out["speedup"] *= out.iteration_s / iteration
+    out["throughput"] = out.samples / iteration
+    out["timed_s"] *= iteration / out.iteration_s
+    out["comm_s"] += extra  # time beyond the compute, as exposed communication is
+    out["iteration_s"] = iteration
+    return out
+
+
+def describe(costs: dict[str, dict[str, float]], cells: pd.DataFrame,
+             methods: list[str]) -> str:
+    """The fitted costs, one line per method of the sweep (`methods`), and what they were
+    fitted on."""
+    where = ", ".join(f"{m} at {'/'.join(map(str, sorted(g.world_size.unique())))} GPUs"
+                      for m, g in cells.groupby("model"))
+    lines = [f"calibrated on {len(cells)} measured cells ({where}):"]
+    for method in sorted(set(methods)):
+        fitted = costs.get(method)
+        lines.append(f"  {method:<18} " + ("  ".join(
+            f"{t.name}={fitted[t.name] * (1e3 if t.name.endswith('_s') else 1):.3g}"
+            f"{' ms' if t.name.endswith('_s') else ''}" for t in TERMS)
+            if fitted else "not calibrated (no measured cell to fit on)"))
+    return "\n".join(lines)
+
+
+# -- validation and advice ---------------------------------------------------------------
+
+def kendall_tau(x: list[float], y: list[float]) -> float:
+    """Kendall's tau-b of two orderings (ties within 1e-9 relative count as ties)."""
+    def sign(a: float, b: float) -> int:
+        return 0 if abs(a - b) <= 1e-9 * max(abs(a), abs(b)) else (1 if a > b else -1)
+
+    pairs = [(sign(x[i], x[j]), sign(y[i], y[j]))
+             for i, j in itertools.combinations(range(len(x)), 2)]
+    n0 = len(pairs)
+    tied_x = sum(1 for a, _ in pairs if a == 0)
+    tied_y = sum(1 for _, b in pairs if b == 0)
+    denom = math.sqrt((n0 - tied_x) * (n0 - tied_y))
+    return sum(a * b for a, b in pairs) / denom if denom else 0.0
+
+
+def validate(predicted: pd.DataFrame, cells: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Predicted vs measured throughput on `cells`: the cells with their errors, and the
+    line of figures (median and max absolute error in %, mean Kendall tau per model and
+    GPU count)."""
+    both = predicted.merge(cells, on=CELL)
+    both["pct_error"] = 100 * (both.throughput - both.throughput_mean) / both.throughput_mean
+    taus = [kendall_tau(list(g.throughput), list(g.throughput_mean))
+            for _, g in both.groupby(["model", "world_size"]) if len(g) > 1]
+    err = both.pct_error.abs()
+    line = (f"median_abs_pct_error={err.median():.1f} max_abs_pct_error={err.max():.1f} "
+            f"mean_kendall_tau={statistics.fmean(taus) if taus else float('nan'):.2f} "
+            f"cells={len(both)}")
+    return both, line
+
+
+def advice(frame: pd.DataFrame, errors: dict[str, float]) -> str:
+    """Per model and cluster: the methods ranked by predicted throughput, and whether the
+    best one's margin over the next is larger than the model's validated error (`errors`:
+    median absolute error in % per model)."""
+    out = []
+    keys = ["model", "network", "nodes", "workers_per_node"]
+    for (model, net, nodes, per_node), g in frame[frame.world_size > 1].groupby(keys):
+        ranked = list(g.sort_values("throughput", ascending=False).itertuples())
+        out.append(f"\n{model} on {nodes} node(s) x {per_node} worker(s), {net}:")
+        for i, r in enumerate(ranked, 1):
+            out.append(f"  {i}. {r.method:<18} {r.throughput:10.1f} samples/s  "
+                       f"speedup {r.speedup:5.2f}x  bottleneck: {r.bottleneck}")
+        if len(ranked) > 1:
+            margin = 100 * (ranked[0].throughput / ranked[1].throughput - 1)
+            err = errors.get(model)
+            verdict = ("the model's error is not validated" if err is None else
+                       f"{'beyond' if margin > err else 'within'} the validated error of "
+                       f"{err:.1f}%{'' if margin > err else ': a coin toss'}")
+            out.append(f"  best: {ranked[0].method}, {margin:.1f}% over {ranked[1].method}, "
+                       f"{verdict}")
+    return "\n".join(out)
