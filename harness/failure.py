@@ -148,17 +148,17 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
 
     In order: the launcher's own reason (a signal to it); a rank that died
     without saying why (a signal, `os._exit`); a rank's own error; no progress at
-    all; a rank its peers timed out on: one still running without an error, else the
-    one their timeouts name, else one that only saw its peers go away; the earliest
-    symptom.
+    all; a rank its peers timed out on or lost (a gloo pair that times out on one side
+    closes on the other): one still running without an error, else the one their
+    timeouts name, else one that only saw its peers go away; the earliest symptom.
     """
     errors, beats = _errors(run_dir), _beats(run_dir)
     own = sorted((e for e in errors.values() if not e["symptom"]), key=lambda e: e["time"])
     hard = [r for r, c in ending.exits.items() if c != 0 and r not in errors]
     symptoms = sorted((e for e in errors.values() if e["symptom"]), key=lambda e: e["time"])
     timeouts = [e for e in symptoms if e["symptom"] == "timeout"]
-    hung = [r for r in ending.alive if r not in errors] + [  # silent; named; saw peers go
-        r for r in _named(timeouts) if r in errors] + [
+    silent = [r for r in ending.alive if r not in errors]  # still running, saying nothing
+    hung = silent + [r for r in _named(timeouts) if r in errors] + [  # named; saw peers go
         e["rank"] for e in symptoms if e["symptom"] == "closed"]
     if ending.interrupt:
         text, rank = ending.interrupt, None
@@ -169,10 +169,11 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
         text, rank = own[0]["error"], own[0]["rank"]
     elif ending.stall:
         text, rank = ending.stall, None
-    elif timeouts and hung:
+    elif hung and (timeouts or silent):  # a silent rank's peers may see it time out or go
         rank = hung[0]
-        text = (f"rank {rank} hung{_at(beats.get(rank))}: its peers timed out waiting on it; "
-                f"{timeouts[0]['error']}")
+        why = "timed out waiting on" if timeouts else "lost their connection to"
+        text = (f"rank {rank} hung{_at(beats.get(rank))}: its peers {why} it; "
+                f"{(timeouts or symptoms)[0]['error']}")
     elif symptoms:
         text, rank = symptoms[0]["error"], symptoms[0]["rank"]
     else:

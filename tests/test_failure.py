@@ -25,6 +25,8 @@ RESET = RuntimeError("[pair.cc:545] Read error: Connection reset by peer")
 TIMEOUT = RuntimeError("[unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")
 SERVER = RuntimeError("parameter server rank 2 failed or did not answer")
 SERVER.__cause__ = TIMEOUT
+LOST = RuntimeError("parameter server rank 2 (key 0) failed or did not answer: [pair.cc:561] "
+                    "Connection closed by peer")  # its side of the pair timed out first
 
 
 @pytest.mark.parametrize("ending, errors, expect, repeat", [
@@ -38,6 +40,10 @@ SERVER.__cause__ = TIMEOUT
     # a server that hung: the workers timed out on it (wrapped errors), and it saw them go
     (Ending(1, {0: 1, 1: 1}, alive=[2]), {0: (SERVER, 1), 1: (SERVER, 2)},
      "rank 2 hung", 1),
+    # ... or lost their connections to it: a silent rank whose peers only saw it go
+    (Ending(1, {0: 1, 1: 1}, alive=[2]), {0: (LOST, 1), 1: (LOST, 2)},
+     "rank 2 hung at repeat 0, serving round 40: its peers lost their connection to it; "
+     "rank 0: RuntimeError: parameter server rank 2", 1),
     (Ending(1, {0: 1, 1: 1, 2: 1}), {0: (RESET, 1), 1: (SERVER, 2), 2: (RESET, 2.1)},
      "rank 2 hung at repeat 0, serving round 40: its peers timed out", 1),
     # the launcher's own reason comes first
