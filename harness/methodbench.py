@@ -13,7 +13,8 @@ the configurations interleaved and rotated (the plain loop among the 1-worker
 runs), so the drift of a shared machine hits every method alike. The ratios it
 prints:
 
-- at the largest worker count: the better of wfbp_a2a and mgwfbp over ddp;
+- at the largest worker count: the better of wfbp_a2a and mgwfbp over ddp, each PS
+  method over bsp_ps, and bytescheduler_a2a over wfbp_a2a;
 - at 1 worker: every all-reduce method over the plain loop (the harness's overhead).
 
 Each ratio is taken within a round (runs minutes apart, so the slow drift of a
@@ -45,6 +46,10 @@ from harness.launch import Context, launch
 from harness.timing import Clock, timed_window
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
+# what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
+# scheduling over per-tensor all-reduce
+PAIRS = (("wfbp_ps", "bsp_ps"), ("bytescheduler_ps", "bsp_ps"), ("priority_ps", "bsp_ps"),
+         ("bytescheduler_a2a", "wfbp_a2a"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,6 +177,9 @@ def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, fl
         fast = max((t for t in (get("wfbp_a2a", top), get("mgwfbp", top)) if t), default=None)
         if fast and get("ddp", top):
             r[f"best(wfbp_a2a,mgwfbp)/ddp@{top}w"] = fast / get("ddp", top)
+        for method, base in PAIRS:
+            if get(method, top) and get(base, top):
+                r[f"{method}/{base}@{top}w"] = get(method, top) / get(base, top)
         for method in ALLREDUCE:
             if get("plain", 1) and get(method, 1):
                 r[f"{method}/plain@1w"] = get(method, 1) / get("plain", 1)
