@@ -2,9 +2,10 @@
 
 A row is (command, arguments, fragments of the message). `{tmp}` is the test's scratch
 folder, holding `file.txt` (a file where a folder is expected) and the reference CSVs
-below; `{ro}` is a folder this user cannot write. Every row runs the real command, with
-its output folders inside `{tmp}` (harness.run also gets TINY: a missed check costs
-seconds). Add a row, get a test.
+below; `{ro}` is a folder this user cannot write. Every row runs the real command's `main` in a
+fork of the test process (the commands are imported once, not once per row), with its
+output folders inside `{tmp}` (harness.run also gets TINY: a missed check costs seconds).
+Add a row, get a test.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from pathlib import Path
 
 import pytest
 
+import harness.methodbench
+import harness.microbench
+import harness.report
+import harness.run
+import harness.simulate
+import harness.submit
+import harness.verify  # noqa: F401 - imported once here, inherited by each row's fork
 from harness import checks, results
-from tests.conftest import TINY, run_module
+from tests.conftest import TINY, run_main, run_module
 
 RO = "/proc/sys/ddlbench-test"  # a read-only file system: not writable, even for root
 RO_WRITABLE = os.access(Path(RO).parent, os.W_OK)
@@ -164,7 +172,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(module: str, args: lis
     before = _files(tmp_path)
     argv = [a.format(tmp=tmp_path, ro=RO) for a in _argv(module, args)]
     start = time.monotonic()
-    out = run_module(module, *argv, timeout=120)
+    out = run_main(module, *argv, timeout=120)
     elapsed = time.monotonic() - start
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2, out.stderr
