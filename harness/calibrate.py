@@ -182,12 +182,12 @@ def kendall_tau(x: list[float], y: list[float]) -> float:
 
 def validate(predicted: pd.DataFrame, cells: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """Predicted vs measured throughput on `cells`: the cells with their errors, and the
-    line of figures (median and max absolute error in %, mean Kendall tau per model and
-    GPU count)."""
+    line of figures (median and max absolute error in %, mean Kendall tau per model,
+    network and GPU count)."""
     both = predicted.merge(cells, on=CELL)
     both["pct_error"] = 100 * (both.throughput - both.throughput_mean) / both.throughput_mean
     taus = [kendall_tau(list(g.throughput), list(g.throughput_mean))
-            for _, g in both.groupby(["model", "world_size"]) if len(g) > 1]
+            for _, g in both.groupby(["model", "network", "world_size"]) if len(g) > 1]
     err = both.pct_error.abs()
     line = (f"median_abs_pct_error={err.median():.1f} max_abs_pct_error={err.max():.1f} "
             f"mean_kendall_tau={statistics.fmean(taus) if taus else float('nan'):.2f} "
@@ -195,10 +195,10 @@ def validate(predicted: pd.DataFrame, cells: pd.DataFrame) -> tuple[pd.DataFrame
     return both, line
 
 
-def advice(frame: pd.DataFrame, errors: dict[str, float]) -> str:
+def advice(frame: pd.DataFrame, errors: dict[tuple[str, str], float]) -> str:
     """Per model and cluster: the methods ranked by predicted throughput, and whether the
-    best one's margin over the next is larger than the model's validated error (`errors`:
-    median absolute error in % per model)."""
+    best one's margin over the next is larger than the model's validated error on that
+    network (`errors`: median absolute error in % per (model, network))."""
     out = []
     keys = ["model", "network", "nodes", "workers_per_node"]
     for (model, net, nodes, per_node), g in frame[frame.world_size > 1].groupby(keys):
@@ -209,8 +209,8 @@ def advice(frame: pd.DataFrame, errors: dict[str, float]) -> str:
                        f"speedup {r.speedup:5.2f}x  bottleneck: {r.bottleneck}")
         if len(ranked) > 1:
             margin = 100 * (ranked[0].throughput / ranked[1].throughput - 1)
-            err = errors.get(model)
-            verdict = ("the model's error is not validated" if err is None else
+            err = errors.get((model, net))
+            verdict = ("the model's error is not validated on this network" if err is None else
                        f"{'beyond' if margin > err else 'within'} the validated error of "
                        f"{err:.1f}%{'' if margin > err else ': a coin toss'}")
             out.append(f"  best: {ranked[0].method}, {margin:.1f}% over {ranked[1].method}, "

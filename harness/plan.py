@@ -10,7 +10,8 @@ they are issued (tensor names, elements, bytes, priority), MG-WFBP's merged grou
 profile or of this network's microbenchmark; otherwise the one bucket it profiles
 with, saying so), and for parameter servers each partition's key and server with
 the bytes per server and busiest / mean. The model is built on the meta device (no
-memory, no weights). The simulator plans through the same functions (`plan_of`), and
+memory, no weights); only MG-WFBP's groups with `simulate.compute=measured` (the
+default) time the real model here, as the simulator does, for a few iterations. The simulator plans through the same functions (`plan_of`), and
 the PS transport places partitions with the same rules (methods/layout.py).
 """
 

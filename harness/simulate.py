@@ -44,7 +44,7 @@ from harness.launch import torch_threads
 from harness.plan import Tensors, plan_of, tensors
 from harness.ranks import num_servers, num_workers
 from methods.costmodel import Cost, least_squares
-from methods.plan import Unit, fuse_pieces, size_in_elements
+from methods.plan import Unit, credit_in_elements, fuse_pieces
 
 ELEMENT_SIZE = 4  # fp32 gradients
 FIT_SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # elements, as methods.costmodel
@@ -225,9 +225,8 @@ class Prediction:
 
 
 def _credit(scheduler: DictConfig) -> int:
-    return size_in_elements(elements=scheduler.get("credit_elements", 16_000_000),
-                            nbytes=scheduler.get("credit_bytes"), element_size=ELEMENT_SIZE,
-                            what="scheduler credit")
+    return credit_in_elements(elements=scheduler.get("credit_elements"),
+                              nbytes=scheduler.get("credit_bytes"), element_size=ELEMENT_SIZE)
 
 
 def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Prediction:
@@ -482,7 +481,7 @@ def main(argv: list[str]) -> int:
                 check = check[check._merge == "left_only"].drop(columns="_merge")
             for name, predicted in [("uncalibrated", raw)] + [("calibrated", frame)] * bool(costs):
                 both, line = calibrate.validate(predicted, check)
-                errors = both.pct_error.abs().groupby(both.model).median().to_dict()
+                errors = both.pct_error.abs().groupby([both.model, both.network]).median().to_dict()
                 print(f"validation, {name}: {line}")
         if sim.advise:
             print(calibrate.advice(frame, errors))

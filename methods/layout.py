@@ -65,6 +65,11 @@ def keys(units: list[Unit], ranges: list[list[tuple[int, int]]],
         for _ in ranges[u]:
             out[u].append(declared[first[u]] << PIECE_BITS | pieces[first[u]])
             pieces[first[u]] += 1
+    name, most = max(pieces.items(), key=lambda item: item[1], default=("", 0))
+    if most > 1 << PIECE_BITS:  # the piece would run into the next tensor's keys
+        raise ValueError(f"tensor {name!r} is cut into {most} partitions; BytePS's keys hold "
+                         f"at most {1 << PIECE_BITS} per tensor: raise "
+                         "method.transport.partition_bytes")
     return out
 
 

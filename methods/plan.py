@@ -51,6 +51,17 @@ def size_in_elements(*, elements: int | None, nbytes: int | None, element_size: 
     return max(1, nbytes // element_size)
 
 
+CREDIT_ELEMENTS = 16_000_000  # the study's ByteScheduler-A2A credit
+
+
+def credit_in_elements(*, elements: int | None, nbytes: int | None, element_size: int) -> int:
+    """The priority scheduler's credit given in elements or bytes (neither: the study's)."""
+    if elements is None and nbytes is None:
+        elements = CREDIT_ELEMENTS
+    return size_in_elements(elements=elements, nbytes=nbytes, element_size=element_size,
+                            what="scheduler credit")
+
+
 class Bucket:
     """All gradients in one unit (BSP, the study's 512 MB fusion buffer)."""
 
@@ -74,15 +85,18 @@ class PerTensor:
 
 
 def slices(numel: int, rows: int, limit: int) -> list[tuple[int, int]]:
-    """ByteScheduler's cut of one tensor: whole if it has at most `limit` elements, else
-    ceil(numel / limit) near-equal slices along dimension 0 (as torch.chunk: whole rows,
-    ceil(rows / k) per slice, the last one smaller). (start, end) within the tensor."""
+    """ByteScheduler's cut of one tensor (its `_partition_tensor`): whole if it has at most
+    `limit` elements, else k = ceil(numel / limit) slices of whole rows along dimension 0
+    (k at most the rows): rows // k rows each, the last rows % k slices one row more.
+    (start, end) within the tensor."""
     if numel <= limit:
         return [(0, numel)]
     rows = rows if rows and numel % rows == 0 else numel
     row = numel // rows
-    per = math.ceil(rows / math.ceil(numel / limit))
-    return [(r * row, min(r + per, rows) * row) for r in range(0, rows, per)]
+    k = min(math.ceil(numel / limit), rows)
+    per, extra = divmod(rows, k)
+    bounds = list(itertools.accumulate([per] * (k - extra) + [per + 1] * extra, initial=0))
+    return [(a * row, b * row) for a, b in zip(bounds, bounds[1:])]
 
 
 class Partition:

@@ -41,7 +41,7 @@ from methods.base import GradBuffer, Transport
 from methods.delay import HookDelay
 from methods.layerwise import LayerUpdates
 from methods.order import OrderFollower, OrderLeader
-from methods.plan import Unit, fuse_pieces, size_in_elements
+from methods.plan import Unit, credit_in_elements, fuse_pieces
 
 JOIN_S = 10.0
 
@@ -119,10 +119,7 @@ class Priority:
 
     def _credit(self, element_size: int) -> int:
         elements, nbytes = self.credit_spec
-        if elements is None and nbytes is None:
-            elements = 16_000_000  # the study's ByteScheduler-A2A credit
-        return size_in_elements(elements=elements, nbytes=nbytes, element_size=element_size,
-                                what="scheduler credit")
+        return credit_in_elements(elements=elements, nbytes=nbytes, element_size=element_size)
 
     def _index(self, n: int) -> None:
         """Per parameter its units; per unit its priority (input side first) and layer."""

@@ -135,42 +135,50 @@ class Node:
 
 class HostStaging:
     """Where pushes are read from and pulls land: the buffer itself on CPU, pinned memory on
-    GPU, filled and emptied on a copy stream of its own (`side`). Events are None on CPU."""
+    GPU. On GPU each direction has a copy stream of its own, as BytePS has: the way out
+    (`side()`: node reduce, copy to host) and the way back (`side(back=True)`: copy to the
+    device, node broadcast). With one stream the node's collectives would chain: a root's
+    next reduce, waited on there, would hold back its broadcast of the unit before, which
+    the other workers need before their next reduce. Events are None on CPU."""
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.on_device = flat.device.type != "cpu"
         self.host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True) \
             if self.on_device else flat
-        self.stream = torch.cuda.Stream(flat.device) if self.on_device else None
+        self.out, self.back = (torch.cuda.Stream(flat.device), torch.cuda.Stream(flat.device)) \
+            if self.on_device else (None, None)
 
     def ready(self) -> torch.cuda.Event | None:
         """The event of the end of the work queued so far on the current stream (gradients)."""
         return torch.cuda.current_stream(self.flat.device).record_event() \
             if self.on_device else None
 
-    def side(self):
-        """Run what follows on the copy stream (CPU: as it comes)."""
-        return torch.cuda.stream(self.stream) if self.on_device else nullcontext()
+    def side(self, *, back: bool = False):
+        """Run what follows on the copy stream of the way out, or back (CPU: as it comes)."""
+        return torch.cuda.stream(self.back if back else self.out) if self.on_device \
+            else nullcontext()
 
     def to_host(self, start: int, end: int) -> torch.cuda.Event | None:
-        """Queue the copy of [start, end) to the host on the copy stream, after what is
-        queued there; returns the event of its end."""
+        """Queue the copy of [start, end) to the host on the way out, after what is queued
+        there; returns the event of its end."""
         if not self.on_device:
             return None
         with self.side():
             self.host[start:end].copy_(self.flat[start:end], non_blocking=True)
-        return self.stream.record_event()
+        return self.out.record_event()
 
     def to_device(self, start: int, end: int) -> None:
-        """Queue the copy of [start, end) back to the device, on the copy stream."""
+        """Queue the copy of [start, end) back to the device, on the way back."""
         if self.on_device:
-            with self.side():
+            with self.side(back=True):
                 self.flat[start:end].copy_(self.host[start:end], non_blocking=True)
 
-    def mark(self) -> torch.cuda.Event | None:
-        """The event of the end of every copy queued so far."""
-        return self.stream.record_event() if self.on_device else None
+    def mark(self, *, back: bool = True) -> torch.cuda.Event | None:
+        """The event of the end of everything queued so far on the way back (or out)."""
+        if not self.on_device:
+            return None
+        return (self.back if back else self.out).record_event()
 
     def order_after(self, event: torch.cuda.Event | None) -> None:
         """Work queued on the caller's current stream from now on runs after `event`."""
@@ -193,12 +201,13 @@ class _Exchange:
     error the pipeline met, naming the peer.
     """
 
-    __slots__ = ("parts", "staging", "ready", "landed", "works", "headers", "done", "error",
-                 "at", "timeout_s")
+    __slots__ = ("parts", "staging", "ready", "reduced", "landed", "works", "headers", "done",
+                 "error", "at", "timeout_s")
 
     def __init__(self, parts: list[Part], *, staging: HostStaging,
                  ready: torch.cuda.Event | None, timeout_s: float) -> None:
         self.parts, self.staging, self.ready = parts, staging, ready
+        self.reduced: torch.cuda.Event | None = None  # the node's reduce has read the unit
         self.landed: torch.cuda.Event | None = None  # the result on the device
         self.works: list[tuple[dist.Work, Part, bool]] = []  # (work, partition, is a pull)
         self.headers: list[torch.Tensor] = []  # alive until sent
@@ -238,6 +247,7 @@ def _post(job: _Exchange, *, node: Node, servers: list[int]) -> None:
         job.staging.order_after(job.ready)
         job.at = node.name
         node.reduce(job.chunk())
+    job.reduced = job.staging.mark(back=False)
     if not node.is_root:
         return
     _finish(job.staging.to_host(job.parts[0].start, job.parts[-1].end))
@@ -262,13 +272,15 @@ def _post(job: _Exchange, *, node: Node, servers: list[int]) -> None:
 def _land(job: _Exchange, *, node: Node) -> None:
     """Wait for the unit's messages in posting order, copying each pull back as it lands;
     then broadcast the result inside the node."""
+    with job.staging.side(back=True):  # nothing lands before the reduce has read the unit
+        job.staging.order_after(job.reduced)
     for work, part, pull in job.works:
         job.at = server_name(part.server, part.key)
         with naming_server(part.server, part.key):
             work.wait()
         if pull:
             job.staging.to_device(part.start, part.end)
-    with job.staging.side():
+    with job.staging.side(back=True):
         job.at = node.name
         node.broadcast(job.chunk())
     job.landed = job.staging.mark()

@@ -17,8 +17,9 @@ import methods
 from harness import config, plan, results
 from harness.launch import node_groups
 from harness.verify import train
-from methods.layout import djb2
-from methods.plan import Partition, fuse_pieces, slices
+from methods import layout
+from methods.layout import PIECE_BITS, djb2
+from methods.plan import Partition, Unit, fuse_pieces, slices
 from methods.server import EngineQueue
 from tests.conftest import run_module
 from tests.test_methods import BERT, _context, _free_port, _spawn
@@ -98,15 +99,17 @@ def test_plan_viewer_bad_input_is_one_line() -> None:
     assert "assignment='rand' is unknown" in out.stderr
 
 
-@pytest.mark.parametrize("shape, limit", [((30522, 768), 4_000_000), ((10,), 4), ((7, 3), 5),
-                                          ((1, 100), 30), ((5, 2), 10)])
-def test_bytescheduler_slices_are_torch_chunks_along_dimension_zero(shape, limit) -> None:
-    tensor = torch.arange(torch.Size(shape).numel())
-    cut = slices(tensor.numel(), shape[0], limit)
-    k = -(-tensor.numel() // limit)  # ceil
-    expected = [c.numel() for c in tensor.reshape(shape).chunk(k, dim=0)]
-    assert [e - s for s, e in cut] == expected
-    assert cut[0][0] == 0 and cut[-1][1] == tensor.numel()
+@pytest.mark.parametrize("shape, limit, rows", [
+    ((30522, 1024), 4_000_000, [3815] * 6 + [3816] * 2),  # BERT-Large's word embeddings
+    ((30522, 768), 4_000_000, [5087] * 6), ((10,), 4, [3, 3, 4]), ((7, 3), 5, [1] * 3 + [2] * 2),
+    ((9, 1_000_000), 2_500_000, [2, 2, 2, 3]), ((1, 100), 30, [1]), ((5, 2), 10, [5])])
+def test_bytescheduler_slices_are_its_near_equal_rows(shape, limit, rows) -> None:
+    # ByteScheduler: ceil(numel / limit) slices (at most one per row), rows // k rows each,
+    # the last rows % k one more
+    numel, row = torch.Size(shape).numel(), torch.Size(shape[1:]).numel()
+    cut = slices(numel, shape[0], limit)
+    assert [(e - s) // row for s, e in cut] == rows
+    assert cut[0][0] == 0 and cut[-1][1] == numel
     assert all(a[1] == b[0] for a, b in zip(cut, cut[1:]))
 
 
@@ -199,3 +202,10 @@ def test_node_groups_are_made_only_where_nodes_share_workers() -> None:
     timeout = dt.timedelta(seconds=1)
     assert node_groups(4, 1, timeout=timeout) is None  # a worker per node
     assert node_groups(2, 2, timeout=timeout) is None  # one node: the worker group serves
+
+
+def test_a_tensor_cut_into_more_pieces_than_keys_hold_is_refused() -> None:
+    units = [Unit(0, (1 << PIECE_BITS) + 1, (0,))]
+    with pytest.raises(ValueError, match="cut into 65537 partitions.*partition_bytes"):
+        layout.keys(units, layout.cut(units, 1), ["w"])
+    assert len(layout.keys(units, layout.cut(units, 2), ["w"])[0]) == (1 << 15) + 1

@@ -107,6 +107,9 @@ def test_bytescheduler_overlaps_the_next_forward() -> None:
     wfbp = simulate.predict(cfg("wfbp_a2a", "cluster.nodes=2"), c, net())
     assert prio.plan["units"] == 4
     assert prio.iteration_s < wfbp.iteration_s - 0.2
+    # the same scheduler on PS with its credit in bytes (priority_ps): one credit, not two
+    ps = simulate.predict(cfg("priority_ps", "cluster.nodes=2"), c, net())
+    assert ps.plan["units"] == 12 + 1 and ps.iteration_s > 0  # 4,096,000-byte slices
 
 
 class _Line:
@@ -164,3 +167,21 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
     out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
     assert out.returncode == 0, out.stderr
     assert (plots / "fig_bert_tiny.png").exists()
+
+
+def test_the_cache_keeps_a_result_and_a_cache_it_cannot_write_is_no_error(tmp_path,
+                                                                           monkeypatch) -> None:
+    from harness import cache
+
+    calls = []
+
+    def make() -> dict:
+        calls.append(1)
+        return {"x": 1}
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.cached("t", [1], make) == cache.cached("t", [1], make) == {"x": 1}
+    assert len(calls) == 1
+    (tmp_path / "file").write_text("")  # a file where the cache folder would go
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert cache.cached("t", [1], make) == {"x": 1} and len(calls) == 2
