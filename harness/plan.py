@@ -11,8 +11,9 @@ profile or of this network's microbenchmark; otherwise the one bucket it profile
 with, saying so), and for parameter servers each partition's key and server with
 the bytes per server and busiest / mean. The model is built on the meta device (no
 memory, no weights); only MG-WFBP's groups with `simulate.compute=measured` (the
-default) time the real model here, as the simulator does, for a few iterations. The simulator plans through the same functions (`plan_of`), and
-the PS transport places partitions with the same rules (methods/layout.py).
+default) time the real model here, as the simulator does, for a few iterations. The
+simulator plans through the same functions (`plan_of`), and the PS transport places
+partitions with the same rules (methods/layout.py).
 """
 
 from __future__ import annotations
