@@ -1,23 +1,35 @@
 # One command each: `make run` (the small local study) and `make test` (everything CI runs);
-# `make bench` measures every method against ddp and the plain training loop.
-# Both create .venv and install the project into it when missing or stale.
+# `make bench` measures every method against ddp, the plain training loop and Horovod.
+# All create .venv and install the project into it when missing or stale; `make test` and
+# `make bench` also build Horovod into it (`make horovod`, engine=horovod).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+HOROVOD_STAMP := $(VENV)/.horovod-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test faults soak lint bench report clean
+.PHONY: run test faults soak lint bench report clean horovod
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# Horovod 0.28.1 from source against the venv's torch (harness/install_horovod.py: about
+# 5 minutes on 2 cores; a no-op once built). On a GPU cluster: HOROVOD_GPU_OPERATIONS=NCCL.
+$(HOROVOD_STAMP): $(STAMP) harness/install_horovod.py
+	$(PY) -m harness.install_horovod
+	touch $(HOROVOD_STAMP)
+
+horovod: $(STAMP)
+	$(PY) -m harness.install_horovod
+	touch $(HOROVOD_STAMP)
+
 run: $(STAMP)
 	$(PY) -m harness.run experiment=smoke
 
-test: $(STAMP)
+test: $(HOROVOD_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -30,7 +42,7 @@ soak: $(STAMP)  # 200 local, 56 emulated and 50 verify runs in a row, all must s
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-bench: $(STAMP)
+bench: $(HOROVOD_STAMP)
 	$(PY) -m harness.methodbench
 
 report: $(STAMP)

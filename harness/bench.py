@@ -27,7 +27,7 @@ from torch import nn
 
 import methods
 import models
-from harness import results
+from harness import horovod, results
 from harness.config import to_json
 from harness.launch import Context
 from harness.ranks import num_servers, num_workers
@@ -62,7 +62,8 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
                                                                  torch.optim.Optimizer]:
     """A fresh model (weights from `seed`) wrapped by the configured method, and its optimizer."""
     model = models.build(cfg.model.family, cfg.model.build, seed=seed).to(ctx.device)
-    method = methods.build(OmegaConf.to_container(cfg.method, resolve=True),
+    method = methods.build(methods.on_engine(OmegaConf.to_container(cfg.method, resolve=True),
+                                             cfg.engine),
                            group=ctx.worker_group, device=ctx.device, timeout_s=cfg.run.timeout_s,
                            workers_per_node=cfg.cluster.workers_per_node,
                            node_groups=ctx.node_groups)
@@ -224,13 +225,14 @@ def identity(cfg: DictConfig, *, run_id: str, repeat: int) -> dict:
         "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "config_json": to_json(cfg),
+        "config_json": to_json(cfg), **horovod.columns(cfg),
     }
 
 
 def software() -> dict:
     """What changes GPU throughput besides the configuration: versions, the numerics in
-    force (harness.launch.device_settings applied run.tf32_*), NCCL_* / GLOO_* settings."""
+    force (harness.launch.device_settings applied run.tf32_*), NCCL_* / GLOO_* / HOROVOD_*
+    settings."""
     cudnn = torch.backends.cudnn.version()
     return {
         "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
@@ -239,7 +241,7 @@ def software() -> dict:
         "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "comm_env_json": json.dumps({k: v for k, v in sorted(os.environ.items())
-                                     if k.startswith(("NCCL_", "GLOO_"))}),
+                                     if k.startswith(("NCCL_", "GLOO_", "HOROVOD_"))}),
     }
 
 

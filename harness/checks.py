@@ -20,7 +20,14 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness.ranks import external_rank, num_servers, num_workers
-from harness.schema import GROUPS, BenchConf, ConfigError, is_real_network, resolve_device
+from harness.schema import (
+    ENGINES,
+    GROUPS,
+    BenchConf,
+    ConfigError,
+    is_real_network,
+    resolve_device,
+)
 
 FORCE = "add run.force=true to run it anyway"
 # Sane bounds of counts and sizes (machine-fit limits: run.force=true lifts them).
@@ -38,6 +45,7 @@ NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node
                 "allreduce": str, "ps_host_copy": bool,
                 "cycle_s": float}
 ALLREDUCE = ("ring", "tree", "hierarchical", "best")
+METHOD_DIR = Path(__file__).resolve().parent.parent / "conf" / "method"
 
 
 def cores() -> int:
@@ -86,6 +94,53 @@ def check_cluster(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster=emulated with cluster.nodes={cfg.cluster.nodes} and {servers} "
                           f"parameter servers needs {hosts} emulated hosts, more than the "
                           f"{MAX_EMULATED_HOSTS} of one subnet; lower cluster.nodes")
+
+
+def allreduce_methods() -> list[str]:
+    """The methods of conf/method/ whose transport is the all-reduce (those engine=horovod
+    runs on Horovod)."""
+    return sorted(p.stem for p in METHOD_DIR.glob("*.yaml")
+                  if OmegaConf.select(OmegaConf.load(p), "transport.name") == "allreduce")
+
+
+def check_engine(cfg: DictConfig) -> None:
+    """The engine is known and fits the method: Horovod runs all-reduce methods only, with
+    sane settings, and must load here (harness.horovod.problem)."""
+    import methods
+    from harness import horovod
+
+    method = OmegaConf.to_container(cfg.method, resolve=True)
+    transport = method["transport"]["name"]
+    if cfg.engine not in ENGINES:
+        raise ConfigError(f"engine={cfg.engine!r} is unknown; choose one of: {', '.join(ENGINES)}")
+    if transport == "horovod":
+        raise ConfigError(f"method {cfg.method.name!r} names transport 'horovod', which only "
+                          "engine=horovod chooses; write transport: {name: allreduce} and add "
+                          "engine=horovod")
+    if cfg.engine == "native":
+        return
+    if transport != "allreduce":
+        what = "is torch DDP" if transport == "ddp" else f"uses transport {transport!r}"
+        raise ConfigError(f"engine=horovod runs all-reduce methods only, and method "
+                          f"{cfg.method.name!r} {what}; use engine=native with it, or one of: "
+                          f"{', '.join(allreduce_methods())}")
+    _check_horovod_settings(cfg.method.horovod)
+    try:
+        methods.check(methods.on_engine(method, cfg.engine))
+    except (ValueError, KeyError) as exc:
+        raise ConfigError((str(exc).strip().splitlines() or [""])[0]) from None
+    reason = horovod.problem(device=resolve_device(cfg.cluster))
+    if reason:
+        raise ConfigError(reason)
+
+
+def _check_horovod_settings(settings: DictConfig) -> None:
+    if settings.fusion_threshold_bytes < 0:
+        raise ConfigError(f"method.horovod.fusion_threshold_bytes={settings.fusion_threshold_bytes}"
+                          " is invalid; it must be >= 0 (0: no fusion)")
+    if settings.cycle_time_s <= 0:
+        raise ConfigError(f"method.horovod.cycle_time_s={settings.cycle_time_s} is invalid; it "
+                          "must be > 0 (Horovod's default of the study's time: 0.005)")
 
 
 def check_fit(cfg: DictConfig, *, local: bool) -> None:

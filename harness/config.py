@@ -254,6 +254,7 @@ def validate(cfg: DictConfig, *, simulate: bool = False) -> None:
     _check_method(cfg.method)
     _check_servers(cfg.method, cfg.cluster)
     checks.check_cluster(cfg)
+    checks.check_engine(cfg)
     checks.check_network(cfg.network)
     checks.output_dir("results_dir", cfg.results_dir)
     if simulate:  # only measured compute runs processes here (as many as the run has)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import failure, netem
+from harness import failure, horovod, netem
 from harness.config import ConfigError, from_json, load, resolve_backend, resolve_device, to_json
 from harness.ranks import external_rank, host_of, num_servers, num_workers
 
@@ -328,6 +328,10 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
         if ctx.num_servers:
             ctx.worker_group = dist.new_group(list(range(workers)))
         ctx.node_groups = node_groups(workers, cfg.cluster.workers_per_node, timeout=timeout)
+        session = None
+        if cfg.engine == "horovod" and ctx.is_worker:  # engine=horovod has no servers
+            ctx.beat("starting Horovod")
+            session = horovod.start(cfg, group=ctx.worker_group)
         code = 0
         try:
             module.worker(cfg, ctx)
@@ -335,6 +339,8 @@ def _run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path 
             code = int(exc.code or 0)
         ctx.beat("leaving the process group")
         dist.barrier()  # every rank is done with every collective: nobody tears down early
+        if session is not None:
+            session.stop()  # Horovod's thread ends with its peers' while all are alive
         dist.destroy_process_group()
         return code, run_id
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal

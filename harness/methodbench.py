@@ -2,9 +2,12 @@
 
     python -m harness.methodbench                      # resnet50_small and bert_tiny
     python -m harness.methodbench --rounds 1 --models bert_tiny --timed-iters 10
+    python -m harness.methodbench --engines native     # without the Horovod twins
 
 Runs every method of conf/method/ on each model at each worker count through
-the normal `harness.run` path (one parquet shard per run), and measures a
+the normal `harness.run` path (one parquet shard per run), each all-reduce method
+also on engine=horovod at every count above 1 (its Horovod twin, `<method>@horovod`
+below; `--engines native` leaves them out), and measures a
 plain training loop (forward, backward, optimizer step, zero_grad: no method,
 no phase stamps) on the same model, batch and optimizer as the 1.0x baseline,
 in a process started and timed exactly as a 1-worker run is (`worker` below);
@@ -14,7 +17,8 @@ runs), so the drift of a shared machine hits every method alike. The ratios it
 prints:
 
 - at the largest worker count: the better of wfbp_a2a and mgwfbp over ddp, each PS
-  method over bsp_ps, and bytescheduler_a2a over wfbp_a2a;
+  method over bsp_ps, bytescheduler_a2a over wfbp_a2a, and each all-reduce method
+  natively over its Horovod twin (native/horovod);
 - at 1 worker: every all-reduce method over the plain loop (the harness's overhead).
 
 Each ratio is taken within a round (runs minutes apart, so the slow drift of a
@@ -43,9 +47,11 @@ from harness import checks, config, results
 from harness import run as harness_run
 from harness.bench import device_name, identity, plain_training
 from harness.launch import Context, launch
+from harness.schema import ENGINES
 from harness.timing import Clock, timed_window
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
+TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
 # what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
 # scheduling over per-tensor all-reduce
 PAIRS = (("wfbp_ps", "bsp_ps"), ("bytescheduler_ps", "bsp_ps"), ("priority_ps", "bsp_ps"),
@@ -62,6 +68,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--models", default="resnet50_small,bert_tiny")
     parser.add_argument("--methods", default=",".join(config.choices("method")))
     parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--engines", default="native,horovod",
+                        help="native runs every method; horovod adds each all-reduce method's "
+                             "Horovod twin at every worker count above 1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup-iters", type=int, default=10)
     parser.add_argument("--timed-iters", type=int, default=20)
@@ -82,11 +91,13 @@ def _names(flag: str, text: str, known: list[str]) -> list[str]:
     return names
 
 
-def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
-    """(models, methods, worker counts) of valid arguments; every run they make is
-    validated (machine fit included) before the first starts. ConfigError otherwise."""
+def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]]]:
+    """(models, {worker count: the names run at it}) of valid arguments; a name is a
+    method, or `<method>@horovod` for its Horovod twin. Every run they make is validated
+    (machine fit included) before the first starts. ConfigError otherwise."""
     model_names = _names("--models", args.models, config.choices("model"))
     method_names = _names("--methods", args.methods, config.choices("method"))
+    engines = _names("--engines", args.engines, list(ENGINES))
     counts = args.workers.split(",")
     if not all(c.isdigit() and int(c) > 0 for c in counts):
         raise config.ConfigError(f"--workers {args.workers} is invalid; give worker counts > 0, "
@@ -96,14 +107,31 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[str], list[int
         if value < low:
             raise config.ConfigError(f"{flag} {value} is invalid; it must be >= {low}")
     checks.output_dir("--results-dir", args.results_dir)
+    runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts])
     try:
-        config.load_all([[f"model={m}", f"method={x}", f"cluster.workers_per_node={w}",
+        config.load_all([[f"model={m}", *_method_overrides(x), f"cluster.workers_per_node={w}",
                           *_run_overrides(args, Path(args.results_dir))]
-                         for m in model_names for x in method_names for w in counts])
+                         for m in model_names for w, names in runs.items() for x in names])
     except config.ConfigError as exc:
         raise config.ConfigError(str(exc).replace(checks.FORCE, "add --force to run it anyway")
+                                 .replace("or use engine=native", "or add --engines native")
                                  ) from None
-    return model_names, method_names, [int(c) for c in counts]
+    return model_names, runs
+
+
+def run_list(method_names: list[str], *, engines: list[str], counts: list[int]
+             ) -> dict[int, list[str]]:
+    """The names run at each worker count: every method natively, and the Horovod twin of
+    each all-reduce method above 1 worker (where an all-reduce has something to move)."""
+    twins = [m + TWIN for m in method_names if m in checks.allreduce_methods()]
+    return {n: [m for m in method_names if "native" in engines]
+            + (twins if "horovod" in engines and n > 1 else []) for n in counts}
+
+
+def _method_overrides(name: str) -> list[str]:
+    """The overrides of a run-list name: the method, and engine=horovod for a twin."""
+    method, twin, _ = name.partition(TWIN)
+    return [f"method={method}", *(["engine=horovod"] if twin else [])]
 
 
 def _run_overrides(args: argparse.Namespace, out: Path) -> list[str]:
@@ -156,22 +184,23 @@ def run_plain(model_name: str, *, out: Path, args: argparse.Namespace) -> int:
     return code
 
 
-def run_method(model_name: str, method: str, workers: int, *, out: Path,
+def run_method(model_name: str, name: str, workers: int, *, out: Path,
                args: argparse.Namespace) -> int:
-    """One harness.run of one configuration, one repeat; its exit code."""
-    return harness_run.main([f"model={model_name}", f"method={method}",
+    """One harness.run of one configuration (a run-list name), one repeat; its exit code."""
+    return harness_run.main([f"model={model_name}", *_method_overrides(name),
                              f"cluster.workers_per_node={workers}", *_run_overrides(args, out)])
 
 
 def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
     """The targets' ratios per model within one round's runs."""
-    ok = frame[frame.status == "ok"]
-    tput = ok.groupby(["model", "method", "world_size"]).throughput.max().to_dict()
+    ok = _with_engine(frame[frame.status == "ok"])
+    tput = ok.groupby(["model", "method", "engine", "world_size"]).throughput.max().to_dict()
     top = max(workers)
     out = {}
     for model_name in sorted(ok.model.unique()):
-        def get(method: str, n: int, model_name: str = model_name) -> float | None:
-            return tput.get((model_name, method, n))
+        def get(method: str, n: int, model_name: str = model_name,
+                engine: str = "native") -> float | None:
+            return tput.get((model_name, method, engine, n))
 
         r = {}
         fast = max((t for t in (get("wfbp_a2a", top), get("mgwfbp", top)) if t), default=None)
@@ -183,16 +212,26 @@ def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, fl
         for method in ALLREDUCE:
             if get("plain", 1) and get(method, 1):
                 r[f"{method}/plain@1w"] = get(method, 1) / get("plain", 1)
+            if get(method, top) and get(method, top, engine="horovod"):
+                r[f"{method} native/horovod@{top}w"] = (get(method, top)
+                                                        / get(method, top, engine="horovod"))
         out[model_name] = r
     return out
+
+
+def _with_engine(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with an engine per row (rows that name none ran natively)."""
+    engine = frame["engine"].fillna("native") if "engine" in frame else "native"
+    return frame.assign(engine=engine)
 
 
 def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[str, dict]]:
     """Print throughput per configuration and each ratio's median over the rounds (each
     round's ratio pairs runs made minutes apart, so the drift of a shared machine cancels);
     return {model: {ratio: {"median", "min", "max", "rounds"}}}."""
-    frame = pd.concat(rounds)
-    ok = frame[frame.status == "ok"].groupby(["model", "world_size", "method"]).throughput
+    frame = _with_engine(pd.concat(rounds))
+    ok = frame[frame.status == "ok"].groupby(["model", "world_size", "method", "engine"]
+                                             ).throughput
     print(ok.agg(["median", "min", "max", "count"]).round(2).to_string())
     per_round = [ratios(f, workers=workers) for f in rounds]
     table: dict[str, dict[str, dict]] = {}
@@ -203,7 +242,7 @@ def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[
             table.setdefault(model_name, {})[name] = {
                 "median": statistics.median(values), "min": min(values), "max": max(values),
                 "rounds": values}
-            print(f"{model_name:16s} {name:34s} median {statistics.median(values):.3f}  "
+            print(f"{model_name:16s} {name:36s} median {statistics.median(values):.3f}  "
                   f"(rounds: {', '.join(f'{v:.3f}' for v in values)})")
     return table
 
@@ -211,7 +250,7 @@ def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
-        model_names, method_names, worker_counts = check_args(args)
+        model_names, runs = check_args(args)
     except config.ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
@@ -220,10 +259,11 @@ def main(argv: list[str]) -> int:
     for rnd in range(args.rounds):
         folder = out / f"round{rnd + 1}"
         for model_name in model_names:
-            for workers in worker_counts:
+            for workers, names in runs.items():
                 # the plain loop takes its turn among the smallest runs, rotated like them
-                names = ["plain", *method_names] if workers == min(worker_counts) \
-                    else method_names
+                names = ["plain", *names] if workers == min(runs) else names
+                if not names:  # e.g. --engines horovod with no all-reduce method
+                    continue
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     what = "plain loop" if name == "plain" else f"{name} x{workers}"
                     print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}", flush=True)
@@ -233,7 +273,7 @@ def main(argv: list[str]) -> int:
                         return code
                     failed += code != 0
     table = report([results.load(out / f"round{r + 1}") for r in range(args.rounds)],
-                   workers=worker_counts)
+                   workers=list(runs))
     (out / "ratios.json").write_text(json.dumps(table, indent=2))
     print(f"{failed} failed runs; shards and ratios.json in {out}/")
     return 1 if failed else 0

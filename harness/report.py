@@ -92,10 +92,14 @@ def _setting_id(frame: pd.DataFrame) -> pd.Series:
 
 
 def normalize(frame: pd.DataFrame) -> pd.DataFrame:
-    """The columns the report uses, typed; null network/source become 'n/a'."""
+    """The columns the report uses, typed; null network/source become 'n/a'. A method run
+    on another engine than the native one is a method of its own (`wfbp_a2a@horovod`)."""
     out = frame[
         [*CELL, "repeat", "run_id", "status", "error", "throughput", "model_intensity", *PHASES]
     ].copy()
+    if "engine" in frame:
+        other = frame["engine"].notna() & frame["engine"].ne("native")
+        out.loc[other, "method"] = out["method"][other] + "@" + frame["engine"][other]
     for col in ("model", "method", "network", "source", "status", "error", "run_id"):
         out[col] = out[col].astype("string")
     out[["network", "source"]] = out[["network", "source"]].fillna("n/a")

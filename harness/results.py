@@ -36,7 +36,11 @@ PROVENANCE = [
     "cuda_version", "cudnn_version", "nccl_version", "tf32_matmul", "tf32_cudnn",
     "cudnn_benchmark", "comm_env_json",
 ]
-COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE
+# What ran the collectives: engine=native (torch.distributed) or horovod, with Horovod's
+# version and settings (null on native). Shards written before these columns load with
+# engine "native".
+ENGINE = ["engine", "horovod_version", "horovod_fusion_threshold_bytes", "horovod_cycle_time_s"]
+COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE + ENGINE
 
 SCHEMA = pa.schema([
     ("run_id", pa.string()), ("model", pa.string()), ("method", pa.string()),
@@ -60,6 +64,8 @@ SCHEMA = pa.schema([
     ("cudnn_version", pa.string()), ("nccl_version", pa.string()),
     ("tf32_matmul", pa.bool_()), ("tf32_cudnn", pa.bool_()), ("cudnn_benchmark", pa.bool_()),
     ("comm_env_json", pa.string()),
+    ("engine", pa.string()), ("horovod_version", pa.string()),
+    ("horovod_fusion_threshold_bytes", pa.int64()), ("horovod_cycle_time_s", pa.float64()),
 ])
 assert SCHEMA.names == COLUMNS
 
@@ -148,7 +154,7 @@ def load_report(
         return _empty(), bad
     try:  # the fast path: every shard in one columnar read
         table = ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table()
-        return table.to_pandas(), bad
+        return _frame(table), bad
     except Exception:  # noqa: BLE001 - some shard is bad: find which, keep the others
         pass
     tables = []
@@ -159,7 +165,14 @@ def load_report(
             bad.append((f, _one_line(exc)))
     if not tables:
         return _empty(), bad
-    return pa.concat_tables(tables).to_pandas(), bad
+    return _frame(pa.concat_tables(tables)), bad
+
+
+def _frame(table: pa.Table) -> pd.DataFrame:
+    """The rows as a DataFrame; rows from before the engine column ran natively."""
+    frame = table.to_pandas()
+    frame["engine"] = frame["engine"].fillna("native")
+    return frame
 
 
 def _not_a_shard(path: Path) -> str | None:

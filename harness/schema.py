@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 GROUPS = ("model", "method", "cluster", "network", "experiment")
 OPTIMIZERS = ("sgd", "adamw")
+ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives
 
 
 class ConfigError(ValueError):
@@ -38,11 +39,22 @@ class ModelConf:
 
 
 @dataclass
+class HorovodConf:
+    """Horovod's settings for a method on engine=horovod (HOROVOD_FUSION_THRESHOLD and
+    HOROVOD_CYCLE_TIME at hvd.init). The defaults are Horovod's at the study's time (64 MiB,
+    5 ms); each all-reduce method's YAML sets the study's own values."""
+
+    fusion_threshold_bytes: int = 64 * 1024 * 1024  # 0: no fusion, each tensor alone
+    cycle_time_s: float = 0.005  # how often Horovod's thread negotiates and starts work
+
+
+@dataclass
 class MethodConf:
     name: str = "???"
     transport: dict[str, Any] = field(default_factory=dict)
     planner: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
+    horovod: HorovodConf = field(default_factory=HorovodConf)  # used on engine=horovod only
 
 
 @dataclass
@@ -130,6 +142,7 @@ class SimulateConf:
 
 @dataclass
 class BenchConf:
+    engine: str = "native"  # native (torch.distributed) | horovod (harness/horovod.py)
     model: ModelConf = field(default_factory=ModelConf)
     method: MethodConf = field(default_factory=MethodConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)

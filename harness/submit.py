@@ -37,7 +37,7 @@ from harness.ranks import num_servers, num_workers
 
 REPO = Path(__file__).resolve().parent.parent
 SUBMIT_KEYS = ("dry_run",)
-IDENTITY = ("model", "method", "nodes", "workers_per_node", "servers", "network",
+IDENTITY = ("model", "method", "engine", "nodes", "workers_per_node", "servers", "network",
             "local_batch_size", "warmup_iters", "timed_iters")
 
 
@@ -113,9 +113,9 @@ def layout(cfg: DictConfig, slurm: DictConfig) -> list[int]:
 
 def identity(cfg: DictConfig) -> tuple:
     """What makes two runs the same configuration (the result columns in IDENTITY)."""
-    return (cfg.model.name, cfg.method.name, cfg.cluster.nodes, cfg.cluster.workers_per_node,
-            num_servers(cfg), cfg.network.name, cfg.model.local_batch_size,
-            cfg.run.warmup_iters, cfg.run.timed_iters)
+    return (cfg.model.name, cfg.method.name, cfg.engine, cfg.cluster.nodes,
+            cfg.cluster.workers_per_node, num_servers(cfg), cfg.network.name,
+            cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters)
 
 
 def completed(results_dir: str | Path) -> dict[tuple, int]:

@@ -20,20 +20,22 @@ from methods.allreduce import AllreduceTransport
 from methods.base import Method
 from methods.ddp import DDPMethod
 from methods.engine import Engine
+from methods.horovod import HorovodTransport, on_engine
 from methods.layout import ASSIGNMENTS
 from methods.plan import PLANNERS
 from methods.ps import PSTransport, stop_servers
 from methods.sched import SCHEDULERS
 from methods.server import serve
 
-TRANSPORTS = {"allreduce": AllreduceTransport, "ps": PSTransport, "ddp": None}
+TRANSPORTS = {"allreduce": AllreduceTransport, "horovod": HorovodTransport, "ps": PSTransport,
+              "ddp": None}
 INJECTED = {"group", "timeout_s", "workers_per_node", "node_groups"}  # from build(), not YAML
 DDP_INJECTED = {"device_ids", "process_group"}
 TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
 
-__all__ = ["Method", "Engine", "build", "check", "serve", "stop_servers", "uses_servers",
-           "wrong_type"]
+__all__ = ["Method", "Engine", "build", "check", "on_engine", "serve", "stop_servers",
+           "uses_servers", "wrong_type"]
 
 
 def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -129,6 +129,15 @@ def test_aggregate_mean_std_and_speedup_over_the_measured_baseline(tmp_path):
             assert cells.loc[(method, ws), "repeats"] == 3
 
 
+def test_a_method_on_another_engine_is_a_method_of_its_own(tmp_path):
+    native = study_rows()
+    horovod = [row("wfbp_a2a", 2, r, 5.0 + r, engine="horovod", run_id="toy-wfbp_a2a-2-hvd")
+               for r in range(3)]
+    cells = cells_of(native + horovod, tmp_path).set_index(["method", "world_size"])
+    assert cells.loc[("wfbp_a2a@horovod", 2), "mean"] == pytest.approx(6.0)
+    assert cells.loc[("wfbp_a2a", 2), "mean"] == pytest.approx(expected(native, "wfbp_a2a", 2)[0])
+
+
 def test_sources_and_networks_are_kept_apart_with_their_own_baseline(tmp_path):
     measured = study_rows(base=10.0)
     simulated = [

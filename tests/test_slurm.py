@@ -255,3 +255,15 @@ def test_cuda_is_checked_on_the_partition_not_on_this_machine(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --gpus-per-node=1" in out.stdout and "#SBATCH --gpus-per-node=2" in out.stdout
     assert "array DRY-RUN-n1x2g2: 2 tasks" in out.stdout
+
+
+def test_a_configuration_done_natively_is_not_done_on_horovod(tmp_path) -> None:
+    from harness import bench
+
+    cfg = config.load(["model=bert_tiny", "method=bsp_a2a", f"results_dir={tmp_path}"])
+    row = {**bench.identity(cfg, run_id="r", repeat=0), "status": "ok", "throughput": 1.0}
+    assert results.write_shard(results.shard_path(tmp_path, "r", 0), [row])
+    done = submit.completed(tmp_path)
+    assert done == {submit.identity(cfg): 1}
+    cfg.engine = "horovod"
+    assert submit.identity(cfg) not in done

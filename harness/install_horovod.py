@@ -1,0 +1,201 @@
+"""`python -m harness.install_horovod` (`make horovod`): build Horovod 0.28.1 into this venv.
+
+Horovod's last release asks CMake for C++14, which the headers of every torch since
+2.1 refuse (the upstream fix came after the release). So this fetches the release's
+sdist from the package index, raises the C++ standard in CMakeLists.txt and
+horovod/torch/CMakeLists.txt to what the installed torch's ATen/ATen.h demands (17, or
+20 from torch 2.14), makes its process sets' Gloo contexts bind HOROVOD_GLOO_IFACE as
+its global one does (`fix_gloo_iface`), and builds it with pip against the torch that
+is there (no build isolation, which would build against a fresh torch from the index):
+Gloo for CPU tensors and the control plane, no MPI, TensorFlow or MXNet. With
+HOROVOD_GPU_OPERATIONS=NCCL in the environment it builds NCCL operations for GPU
+tensors too. A torch built for CUDA makes Horovod's CMake look for a CUDA toolkit;
+CUDA_HOME, CUDAToolkit_ROOT and CUDACXX then name the one found (CUDA_HOME, CUDA_PATH,
+/usr/local/cuda). The sdist and its unpacked, patched copy stay in
+<venv>/horovod-build/, outside the repository. Nothing is built when this Horovod is
+already built against this torch (`--force` rebuilds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+VERSION = "0.28.1"
+CMAKE_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
+CXX14 = re.compile(r"set\(CMAKE_CXX_STANDARD 14\)")
+BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
+             "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1"}
+# Horovod's setup_requires: present beforehand, so that setup.py fetches nothing itself
+RUNTIME_DEPS = ("cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0")
+GLOO_FILE = "horovod/common/gloo/gloo_context.cc"
+GLOO_FUNCTION = "void GlooContext::InitializeForProcessSet("
+GLOO_IFACE = "device_attr.iface = gloo_iface_;"
+GLOO_FIXED = ("gloo_iface_ = global_context.gloo_iface_;  // ddlbench: was left empty\n"
+              "  device_attr.iface = gloo_iface_;")
+PATCHES = "cxx-standard,process-set-gloo-iface"  # what a build changed, recorded beside it
+
+
+class InstallError(RuntimeError):
+    """What stops the build, and what to do about it."""
+
+
+def _pip(*args: str, env: dict[str, str] | None = None) -> None:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+    if subprocess.run(cmd, env=env).returncode != 0:
+        raise InstallError(f"`{' '.join(cmd[2:])}` failed (its output is above)")
+
+
+def cxx_standard(torch_include: Path) -> int:
+    """The C++ standard torch's headers require (ATen.h errors out below it), at least 17."""
+    header = (torch_include / "ATen" / "ATen.h").read_text()
+    found = re.search(r"__cplusplus\s*<\s*(\d{4})\d{2}L", header)
+    return max(17, int(found.group(1)) - 2000) if found else 17
+
+
+def cuda_toolkit() -> Path | None:
+    """A CUDA toolkit (a folder with bin/nvcc and include/cuda_runtime.h), or None."""
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                      "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "bin" / "nvcc").exists() and \
+                (Path(candidate) / "include" / "cuda_runtime.h").exists():
+            return Path(candidate)
+    return None
+
+
+def _record(torch_version: str) -> dict[str, str]:
+    return {"horovod": VERSION, "torch": torch_version, "patches": PATCHES}
+
+
+def installed_for(torch_version: str, work: Path) -> bool:
+    """Whether this Horovod is installed, loads, and was built here against `torch_version`
+    with this installer's patches (its record in `work`)."""
+    probe = ("import json, os, horovod, horovod.torch.mpi_ops as m; "
+             "print(json.dumps([horovod.__version__, m.gloo_built(), json.load(open("
+             "os.path.join(os.path.dirname(horovod.__file__), 'metadata.json'))).get('pytorch')]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    try:
+        loads = json.loads(out.stdout.strip().splitlines()[-1]) == [VERSION, True, torch_version]
+        return loads and json.loads((work / "installed.json").read_text()) == _record(
+            torch_version)
+    except (ValueError, IndexError, OSError):
+        return False
+
+
+def fetch(work: Path) -> Path:
+    """The unpacked sdist of Horovod VERSION in `work`, fresh (an old copy is replaced)."""
+    sdist = work / f"horovod-{VERSION}.tar.gz"
+    if not sdist.exists():
+        _pip("download", f"horovod=={VERSION}", "--no-deps", "--no-binary", ":all:",
+             "--no-build-isolation", "--dest", str(work))
+    source = work / f"horovod-{VERSION}"
+    shutil.rmtree(source, ignore_errors=True)
+    with tarfile.open(sdist) as archive:
+        try:
+            archive.extractall(work, filter="data")
+        except TypeError:  # Python < 3.10.12 / 3.11.4: no extraction filters
+            archive.extractall(work)  # noqa: S202 - the package index's own sdist
+    return source
+
+
+def _not_found(source: Path, name: str, what: str) -> InstallError:
+    sdist = source.parent / f"horovod-{VERSION}.tar.gz"
+    return InstallError(f"{source / name} has no {what} to patch; is {sdist} Horovod "
+                        f"{VERSION}'s sdist? delete it and retry")
+
+
+def raise_cxx_standard(source: Path, standard: int) -> None:
+    """Raise Horovod's C++ standard from 14 to `standard` in both CMake files."""
+    for name in CMAKE_FILES:
+        path = source / name
+        text, count = CXX14.subn(f"set(CMAKE_CXX_STANDARD {standard})", path.read_text())
+        if count == 0:
+            raise _not_found(source, name, "set(CMAKE_CXX_STANDARD 14)")
+        path.write_text(text)
+
+
+def fix_gloo_iface(source: Path) -> None:
+    """Horovod 0.28.1 builds the Gloo contexts of every process set (the global one too,
+    which carries all the all-reduces) on a device of an empty interface name, so they
+    bind the address the host name resolves to, whatever HOROVOD_GLOO_IFACE says: ranks in
+    network namespaces of one host (cluster=emulated), or on hosts whose name resolves to
+    127.0.1.1, cannot reach each other. They take the global context's interface."""
+    path = source / GLOO_FILE
+    text = path.read_text()
+    start = text.find(GLOO_FUNCTION)
+    at = text.find(GLOO_IFACE, start) if start >= 0 else -1
+    if at < 0:
+        raise _not_found(source, GLOO_FILE, f"{GLOO_IFACE!r} in InitializeForProcessSet")
+    path.write_text(text[:at] + GLOO_FIXED + text[at + len(GLOO_IFACE):])
+
+
+def build_env(torch_cuda: str | None) -> dict[str, str]:
+    """The environment of the build: Horovod's switches, the CUDA toolkit of a CUDA torch,
+    and as many compile jobs as this machine has cores (Horovod's default is 8)."""
+    env = {**os.environ, **BUILD_ENV}
+    env.setdefault("MAKEFLAGS", f"-j{len(os.sched_getaffinity(0))}")
+    if torch_cuda:
+        toolkit = cuda_toolkit()
+        if toolkit is None:
+            raise InstallError(f"this torch is built for CUDA {torch_cuda}, so Horovod's build "
+                               "needs a CUDA toolkit (bin/nvcc, include/cuda_runtime.h) and none "
+                               "was found; set CUDA_HOME to one, or install a CPU torch")
+        env.update(CUDA_HOME=str(toolkit), CUDAToolkit_ROOT=str(toolkit),
+                   CUDACXX=str(toolkit / "bin" / "nvcc"))
+    return env
+
+
+def install(*, force: bool) -> None:
+    import torch
+
+    work = Path(sys.prefix) / "horovod-build"
+    if not force and installed_for(torch.__version__, work):
+        print(f"Horovod {VERSION} is already built against torch {torch.__version__}; "
+              "nothing to do (--force rebuilds)")
+        return
+    started = time.monotonic()
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "installed.json").unlink(missing_ok=True)
+    source = fetch(work)
+    standard = cxx_standard(Path(torch.__file__).parent / "include")
+    raise_cxx_standard(source, standard)
+    fix_gloo_iface(source)
+    env = build_env(torch.version.cuda)
+    extras = [f"CUDA toolkit {env['CUDA_HOME']}" if torch.version.cuda else "",
+              f"GPU operations {env.get('HOROVOD_GPU_OPERATIONS', '')}"
+              if env.get("HOROVOD_GPU_OPERATIONS") else ""]
+    print(f"building Horovod {VERSION} against torch {torch.__version__} with "
+          f"{', '.join([f'C++{standard}', *filter(None, extras)])} (a few minutes)", flush=True)
+    _pip("install", "--quiet", *RUNTIME_DEPS)
+    _pip("install", "--no-build-isolation", "--no-cache-dir", "--force-reinstall", "--no-deps",
+         str(source), env=env)
+    (work / "installed.json").write_text(json.dumps(_record(torch.__version__)))
+    if not installed_for(torch.__version__, work):
+        raise InstallError("Horovod was built but does not load with this torch; run "
+                           "`python -c 'import horovod.torch.mpi_ops'` to see why")
+    print(f"Horovod {VERSION} built and installed in {time.monotonic() - started:.0f} s")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.install_horovod",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--force", action="store_true", help="rebuild even if installed")
+    args = parser.parse_args(argv)
+    try:
+        install(force=args.force)
+    except InstallError as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
