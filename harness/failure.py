@@ -43,7 +43,7 @@ def symptom(exc: BaseException) -> str:
     failure seen from here; '' when it is this rank's own."""
     seen: BaseException | None = exc
     while seen is not None:
-        if TIMED_OUT.search(str(seen)):
+        if isinstance(seen, TimeoutError) or TIMED_OUT.search(str(seen)):
             return "timeout"
         if isinstance(seen, dist.DistError) or CLOSED.search(str(seen)):
             return "closed"

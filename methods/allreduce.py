@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from methods.base import GradBuffer, until_completed
+from methods.base import Done, GradBuffer, until_completed
 from methods.plan import Unit
 
 
@@ -23,18 +23,6 @@ class _Pending:
     def complete(self) -> None:
         until_completed(self.work, timeout_s=self.timeout_s, what=f"the all-reduce of unit "
                         f"{self.key}")
-
-
-class _Done:
-    """A single worker's average is its own gradient: nothing to move."""
-
-    __slots__ = ()
-
-    def wait(self) -> None:
-        pass
-
-    def complete(self) -> None:
-        pass
 
 
 class AllreduceTransport:
@@ -61,11 +49,11 @@ class AllreduceTransport:
     def open(self, buffer: GradBuffer, units: list[Unit]) -> None:
         """Collectives need no set-up per plan."""
 
-    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending | _Done:
+    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending | Done:
         # `key` names the chunk for transports that match messages by key (PS);
         # collectives are matched by issue order, which the scheduler keeps equal.
         if self.size == 1:
-            return _Done()
+            return Done()
         work = dist.all_reduce(chunk, group=self.group, async_op=True)
         return _Pending(work, key=key, timeout_s=self.timeout_s)
 

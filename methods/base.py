@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -48,20 +48,40 @@ class Handle(Protocol):
     def complete(self) -> None: ...
 
 
+class Done:
+    """The handle of a unit with nothing to move (one worker's average is its gradient)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        pass
+
+    def complete(self) -> None:
+        pass
+
+
+def poll_until(done: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+    """Return once `done()` is true, polling it with a sleep a little longer each time;
+    a TimeoutError ("<what> timed out ...", a peer's symptom to harness.failure) after
+    `timeout_s` seconds. For waits that must never block in a library (a dead peer would
+    hang them)."""
+    deadline, pause = time.monotonic() + timeout_s, 1e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} timed out: not complete within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+
+
 def until_completed(work: Any, *, timeout_s: float, what: str) -> None:
     """Block until `work` (a torch.distributed Work) has really finished, then raise its error.
 
     `Work.wait()` on NCCL only makes the current stream wait; `is_completed()` queries
-    the collective's end (on Gloo's collectives it is True once done), so poll it,
-    sleeping a little longer each time, for at most `timeout_s` seconds. Not for Gloo's
-    point-to-point works: their `is_completed()` turns True only inside `wait()`.
+    the collective's end (on Gloo's collectives it is True once done), so poll it for at
+    most `timeout_s` seconds. Not for Gloo's point-to-point works: their `is_completed()`
+    turns True only inside `wait()`.
     """
-    deadline, pause = time.monotonic() + timeout_s, 1e-5
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not complete within {timeout_s:g} s")
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_MAX_S)
+    poll_until(work.is_completed, timeout_s=timeout_s, what=what)
     work.wait()  # raises the communication's error, if it had one
 
 

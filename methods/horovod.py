@@ -14,14 +14,13 @@ first use, so native methods never need it installed.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from methods.base import POLL_MAX_S, GradBuffer
+from methods.base import Done, GradBuffer, poll_until
 from methods.plan import Unit
 
 EMULATED = ("cycle_s", "fusion_bytes")  # a scheduler's stand-ins for Horovod's cycle and fusion
@@ -72,29 +71,12 @@ class _Pending:
         timeout, then collect the result, raising Horovod's error if the unit failed."""
         if self.done:
             return
-        deadline, pause = time.monotonic() + self.timeout_s, 1e-5
-        while not self.hvd.poll(self.handle):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Horovod's all-reduce of {self.name} timed out: not "
-                                   f"complete within {self.timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MAX_S)
+        poll_until(lambda: self.hvd.poll(self.handle), timeout_s=self.timeout_s,
+                   what=f"Horovod's all-reduce of {self.name}")
         self.hvd.synchronize(self.handle)
         self.done = True
 
     complete = wait
-
-
-class _Done:
-    """A single worker's average is its own gradient: nothing to move."""
-
-    __slots__ = ()
-
-    def wait(self) -> None:
-        pass
-
-    def complete(self) -> None:
-        pass
 
 
 class HorovodTransport:
@@ -130,9 +112,9 @@ class HorovodTransport:
         """A new plan: its units get names of their own (Horovod caches each name's size)."""
         self.plans += 1
 
-    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending | _Done:
+    def start(self, chunk: torch.Tensor, *, key: int) -> _Pending | Done:
         if self.size == 1:
-            return _Done()
+            return Done()
         name = f"ddlbench.plan{self.plans}.unit{key}"  # the same unit has it on every rank
         handle = self.hvd.allreduce_async_(chunk, name=name, op=self.hvd.Sum)
         return _Pending(self.hvd, handle, name=name, timeout_s=self.timeout_s)

@@ -61,6 +61,7 @@ def test_the_row_names_the_first_cause(tmp_path: Path, ending, errors, expect, r
 def test_symptoms_are_told_from_causes() -> None:
     assert failure.symptom(RESET) == "closed" and failure.symptom(TIMEOUT) == "timeout"
     assert failure.symptom(SERVER) == "timeout"  # through its __cause__
+    assert failure.symptom(TimeoutError("unit 3 not complete within 5 s")) == "timeout"
     assert failure.symptom(RuntimeError("injected fault at iteration 4")) == ""
     assert failure.symptom(OSError(28, "No space left on device")) == ""
 

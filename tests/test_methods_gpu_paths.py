@@ -161,7 +161,7 @@ def test_until_completed_polls_then_waits_and_times_out() -> None:
     work = _Work(polls_left=5)
     until_completed(work, timeout_s=5, what="unit 0")
     assert work.waited
-    with pytest.raises(TimeoutError, match="unit 3 did not complete within 0.05 s"):
+    with pytest.raises(TimeoutError, match="unit 3 timed out: not complete within 0.05 s"):
         until_completed(_Work(polls_left=10**9), timeout_s=0.05, what="unit 3")
 
 
