@@ -72,13 +72,22 @@ def _log(message: str) -> None:
 
 
 def method_order(methods: Iterable[str]) -> list[str]:
-    """The study's method order, then ddp, then any other names alphabetically."""
+    """The study's method order, then ddp, then any other names alphabetically; a method on
+    another engine (`wfbp_a2a@horovod`) right after the method itself."""
     names = set(methods)
-    return [m for m in METHOD_ORDER if m in names] + sorted(names - set(METHOD_ORDER))
+    native = {m.partition("@")[0] for m in names}
+    order = [m for m in METHOD_ORDER if m in native] + sorted(native - set(METHOD_ORDER))
+    return [n for m in order for n in sorted(names) if n.partition("@")[0] == m]
+
+
+def method_hatch(method: str) -> str | None:
+    """The bars of a method on another engine are hatched (in its native method's color)."""
+    return "xx" if "@" in method else None
 
 
 def method_color(method: str) -> tuple[float, ...]:
-    """A fixed color per method name (the same in every figure)."""
+    """A fixed color per method name (the same in every figure; on any engine)."""
+    method = method.partition("@")[0]
     index = _TAB20.get(method)
     if index is None:
         index = _TAB20_SPARE[zlib.crc32(method.encode()) % len(_TAB20_SPARE)]
@@ -243,7 +252,9 @@ def _draw_bars(
         r = rows[rows["method"] == method]
         if not r.empty:
             x = r["world_size"].map(slot).to_numpy(float) + (i - (len(methods) - 1) / 2) * width
-            style = {"color": method_color(method), "hatch": hatch, "capsize": 2}
+            own = method_hatch(method)  # another engine: white hatching on its color
+            style = {"color": method_color(method), "hatch": hatch or own, "capsize": 2,
+                     **({"edgecolor": "white"} if own and not hatch else {})}
             ax.bar(x, r["mean"], width, yerr=r["std"].to_numpy(float), label=method, **style)
     _mark_groups(ax, rows, slot)
     ax.set_xlim(-0.6, len(sizes) - 0.4)
@@ -327,7 +338,9 @@ def plot_throughput(
         )
         shown += slots
     fig.suptitle(title or _title(pd.concat(panels)), fontsize=12)
-    handles = [Patch(color=method_color(m), label=m) for m in method_order(shown)]
+    handles = [Patch(facecolor=method_color(m), label=m, **(
+        {"hatch": method_hatch(m), "edgecolor": "white"} if method_hatch(m) else {}))
+        for m in method_order(shown)]
     if pd.concat(panels)["baseline"].notna().any():
         handles.append(Line2D([], [], color="black", ls="--", label="ideal linear scaling"))
     if len(panels) > 1:
@@ -348,14 +361,15 @@ def plot_efficiency(rows: pd.DataFrame) -> Figure | None:
     sizes = sorted(rows["world_size"].unique())
     for method in method_order(rows["method"]):  # NaN at a missing size breaks the line
         r = rows[rows["method"] == method].set_index("world_size")["efficiency"].reindex(sizes)
-        ax.plot(sizes, r.to_numpy(float), marker="o", label=method, color=method_color(method))
+        ax.plot(sizes, r.to_numpy(float), marker="o", label=method, color=method_color(method),
+                ls=":" if method_hatch(method) else "-")
     ax.axhline(1.0, color="black", ls="--", lw=1, label="ideal")
     ax.set_xscale("log", base=2)
     ax.set_xticks([float(s) for s in sizes], [str(s) for s in sizes])
     ax.set_ylim(0, max(1.1, rows["efficiency"].max() * 1.08))
     ax.set(xlabel="number of workers (GPUs or CPU processes)",
            ylabel="scaling efficiency (speedup / workers)")
-    fig.suptitle(f"{_title(rows)}\n{_subtitle(rows)}", fontsize=11)
+    ax.set_title(f"{_title(rows)}\n{_subtitle(rows)}", fontsize=11)  # centred on the axes
     fig.legend(loc="outside right upper", fontsize=9)
     return fig
 
@@ -387,7 +401,7 @@ def plot_breakdown(rows: pd.DataFrame) -> Figure | None:
             bottom += height
         ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
         ax.set_xlim(-0.6, len(sizes) - 0.4)
-        ax.set_title(method, fontsize=10)
+        ax.set_title(method.replace("@", "\n@"), fontsize=10)  # the engine on a line of its own
     for ax in axes[len(methods) :]:
         ax.set_visible(False)
     fig.supylabel("time per iteration (s)")

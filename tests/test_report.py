@@ -114,6 +114,11 @@ def test_method_order_is_the_studys_then_ddp_then_alphabetical():
         "zeta",
     ]
     assert report.method_color("bsp_ps") != report.method_color("bsp_a2a")
+    # a method on another engine: right after it, in its color, hatched
+    assert report.method_order(["mgwfbp@horovod", "zeta", "bsp_a2a@horovod", "mgwfbp"]) == [
+        "bsp_a2a@horovod", "mgwfbp", "mgwfbp@horovod", "zeta"]
+    assert report.method_color("mgwfbp@horovod") == report.method_color("mgwfbp")
+    assert report.method_hatch("mgwfbp@horovod") and not report.method_hatch("mgwfbp")
 
 
 def test_aggregate_mean_std_and_speedup_over_the_measured_baseline(tmp_path):
