@@ -8,7 +8,7 @@
 Three sections, on the cluster the overrides describe:
 
 1. environment: every rank's host, role, device and network interfaces, and the
-   torch / CUDA / cuDNN / NCCL / driver versions, gathered to rank 0;
+   torch / CUDA / cuDNN / NCCL / driver / Horovod versions, gathered to rank 0;
 2. process groups: one small all-reduce on every group a run uses (the default
    group with a CPU tensor, the workers' group with a tensor on the workers' device);
 3. methods: a `verify.steps`=2 run of `harness.verify` of every method of
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import config
+from harness import config, horovod
 from harness.bench import nccl_version
 from harness.config import ConfigError
 from harness.launch import Context, check_launcher, exit_now, launch
@@ -56,10 +56,11 @@ DIFF = re.compile(r"max_abs_diff=\S+ max_rank_diff=\S+")
 # -- The environment entry: `worker(cfg, ctx)` on every rank -------------------------------
 
 def versions(device: torch.device) -> dict[str, str]:
-    """The software stack as this rank sees it. cuDNN, NCCL and the driver are asked
-    only on GPU ranks: servers and CPU runs never touch CUDA."""
+    """The software stack as this rank sees it (Horovod: the installed version, not loaded).
+    cuDNN, NCCL and the driver are asked only on GPU ranks: servers and CPU runs never
+    touch CUDA."""
     out = {"torch": torch.__version__, "CUDA": torch.version.cuda or "-",
-           "cuDNN": "-", "NCCL": "-", "driver": "-"}
+           "cuDNN": "-", "NCCL": "-", "driver": "-", "Horovod": horovod.version() or "-"}
     if device.type != "cuda":
         return out
     with contextlib.suppress(Exception):

@@ -11,7 +11,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from harness import check, config
+from harness import check, config, horovod
 from tests.conftest import run_module
 
 METHODS = config.choices("method")
@@ -47,6 +47,7 @@ def test_every_method_passes(shape: str, methods: list[str], workers: int, serve
     assert roles == [(str(r), "worker") for r in range(workers)] + [
         (str(workers + s), "server") for s in range(servers)]
     assert "group default (gloo): ok" in out.stdout
+    assert f"Horovod {horovod.version() or '-'}" in out.stdout  # what engine=horovod would load
     workers_group = "workers" if servers else "workers (the default group)"
     assert f"group {workers_group} (gloo): ok" in out.stdout
     assert not results_dir.exists(), "the check writes no result shards"
