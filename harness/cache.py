@@ -1,6 +1,7 @@
-"""Results that depend only on a model's configuration, the library versions and the
-model code (models/), kept as JSON under $XDG_CACHE_HOME/ddlbench (or ~/.cache/ddlbench)
-between runs. A cache that cannot be written is no error: the result is made again."""
+"""Results that depend only on their inputs, the library versions and the project files
+they are made from (the model code in models/, the configs in conf/), kept as JSON under
+$XDG_CACHE_HOME/ddlbench (or ~/.cache/ddlbench) between runs. A cache that cannot be
+written is no error: the result is made again."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("models", "*.py")  # the model code: an edit to it makes every model entry again
+MODEL_LIBRARIES = ("torch", "transformers", "torchvision")
 
 
 def directory() -> Path:
@@ -27,20 +30,23 @@ def _version(dist: str) -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def _models_digest() -> str:
-    """The model code's content: an edit to models/ makes every entry again."""
+@functools.lru_cache(maxsize=4)
+def _digest(source: tuple[str, str]) -> str:
+    """The content of the files `pattern` matches in the project folder `folder`."""
+    folder, pattern = source
     digest = hashlib.sha256()
-    for path in sorted(MODELS.glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted((ROOT / folder).glob(pattern)):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
-def cached(kind: str, key: object, make: Callable[[], dict]) -> dict:
-    """`make()`, or what it returned before for the same `kind`, `key` (JSON-able), model
-    code and versions of torch, transformers and torchvision."""
-    versions = {d: _version(d) for d in ("torch", "transformers", "torchvision")}
-    text = json.dumps([key, versions, _models_digest()], sort_keys=True)
+def cached(kind: str, key: object, make: Callable[[], dict], *,
+           source: tuple[str, str] = MODELS, libraries: tuple[str, ...] = MODEL_LIBRARIES
+           ) -> dict:
+    """`make()`, or what it returned before for the same `kind`, `key` (JSON-able), files of
+    `source` (folder, glob pattern) and versions of `libraries`."""
+    versions = {d: _version(d) for d in libraries}
+    text = json.dumps([key, versions, _digest(source)], sort_keys=True)
     path = directory() / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     if path.exists():
         try:

@@ -14,6 +14,7 @@ import difflib
 import functools
 import inspect
 import itertools
+import os
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -23,7 +24,7 @@ from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from harness import checks
+from harness import cache, checks
 from harness.schema import (  # noqa: F401 - ConfigError & co. are used as config.X too
     GROUPS,
     OPTIMIZERS,
@@ -73,11 +74,23 @@ def compose_raw(overrides: list[str], *, hydra_node: bool = False) -> DictConfig
 
 @functools.lru_cache(maxsize=256)
 def _compose(overrides: tuple[str, ...], hydra_node: bool) -> DictConfig:
-    """Hydra's compose (~0.2 s each, so each distinct one is done once per process)."""
+    """Hydra's compose. It takes ~0.2 s, so each distinct one is done once per process, and
+    once for as long as conf/ and Hydra stay the same (harness/cache.py): the paper sweep
+    composes 12 times. Hydra's node records the working directory, so it keys that too."""
+    key = [list(overrides), hydra_node, os.getcwd() if hydra_node else None]
+    cfg = OmegaConf.create(cache.cached(
+        "compose", key, lambda: _hydra_compose(overrides, hydra_node),
+        source=("conf", "**/*.yaml"), libraries=("hydra-core", "omegaconf")))
+    OmegaConf.set_struct(cfg, True)  # as Hydra leaves it: unknown keys are errors
+    return cfg
+
+
+def _hydra_compose(overrides: tuple[str, ...], hydra_node: bool) -> dict:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose("bench", overrides=list(overrides), return_hydra_config=hydra_node)
+            cfg = compose("bench", overrides=list(overrides), return_hydra_config=hydra_node)
+        return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     except Exception as exc:  # noqa: BLE001 - any compose error is bad input
         key = getattr(exc.__cause__, "full_key", None)
         if isinstance(exc.__cause__, (ConfigAttributeError, ConfigKeyError)) and key:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -39,6 +40,48 @@ def test_sweep_jobs_load_as_if_composed_one_by_one() -> None:
     for job, cfg in list(zip(jobs, fast))[::10]:
         one = config._typed(config.compose_raw(job))  # Hydra applies every override itself
         assert config.to_json(one) == config.to_json(cfg), job
+
+
+@pytest.mark.parametrize("overrides, hydra_node", [
+    (("experiment=paper",), True),  # Hydra's node: enums, missing values, the sweep's params
+    (("model=bert_tiny", "+model.build.vocab_size=1000", "method=bytescheduler_a2a"), False),
+])
+def test_a_cached_compose_is_hydras_and_an_edit_to_conf_composes_again(
+        tmp_path, monkeypatch, overrides: tuple[str, ...], hydra_node: bool) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from harness import cache
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
+        hydra = compose("bench", overrides=list(overrides), return_hydra_config=hydra_node)
+    GlobalHydra.instance().clear()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config._compose.cache_clear()
+    first = config._compose(overrides, hydra_node)  # composed by Hydra, then kept
+    config._compose.cache_clear()
+    calls = []
+    monkeypatch.setattr(config, "_hydra_compose", lambda *a: calls.append(a) or {"x": 1})
+    again = config._compose(overrides, hydra_node)  # read back
+    assert calls == [] and OmegaConf.is_struct(again)
+    assert OmegaConf.to_yaml(first) == OmegaConf.to_yaml(again) == OmegaConf.to_yaml(hydra)
+    assert OmegaConf.to_container(again, resolve=True) == OmegaConf.to_container(
+        hydra, resolve=True, enum_to_str=True)  # Hydra's mode: RunMode.MULTIRUN
+    # the key covers conf/'s files: an edited copy of them is composed anew
+    monkeypatch.setattr(cache, "ROOT", tmp_path)
+    shutil.copytree(config.CONF_DIR, tmp_path / "conf")
+    (tmp_path / "conf" / "bench.yaml").write_text(
+        (tmp_path / "conf" / "bench.yaml").read_text() + "\n# edited\n")
+    cache._digest.cache_clear()
+    config._compose.cache_clear()
+    try:
+        assert config._compose(overrides, hydra_node) == OmegaConf.create({"x": 1})
+        assert len(calls) == 1
+    finally:
+        cache._digest.cache_clear()
+        config._compose.cache_clear()
 
 
 def test_every_experiment_expands_to_valid_jobs() -> None:
