@@ -44,6 +44,7 @@ from harness.bench import nccl_version
 from harness.config import ConfigError
 from harness.launch import Context, check_launcher, exit_now, launch
 from harness.ranks import external_rank, num_servers, num_workers
+from harness.schema import first_line
 
 ENTRY = "harness.check"
 VERIFY_STEPS = 2
@@ -112,8 +113,7 @@ def all_reduce_ok(group: dist.ProcessGroup | None, *, rank: int, members: int,
             return backend, f"rank {rank}: the sum is {got[0]:g}, expected {want:g}"
         return backend, ""
     except Exception as exc:  # noqa: BLE001 - the check reports any failure, then goes on
-        first = (str(exc).strip().splitlines() or [""])[0]
-        return backend, f"rank {rank}: {type(exc).__name__}: {first}"
+        return backend, f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"
 
 
 def group_checks(ctx: Context) -> dict[str, tuple[str, str]]:

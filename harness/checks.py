@@ -25,6 +25,7 @@ from harness.schema import (
     GROUPS,
     BenchConf,
     ConfigError,
+    first_line,
     is_real_network,
     resolve_device,
 )
@@ -128,7 +129,7 @@ def check_engine(cfg: DictConfig) -> None:
     try:
         methods.check(methods.on_engine(method, cfg.engine))
     except (ValueError, KeyError) as exc:
-        raise ConfigError((str(exc).strip().splitlines() or [""])[0]) from None
+        raise ConfigError(first_line(exc)) from None
     reason = horovod.problem(device=resolve_device(cfg.cluster))
     if reason:
         raise ConfigError(reason)
@@ -328,8 +329,8 @@ def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist; {fix}") from None
     except (OSError, ValueError) as exc:  # parser and decode errors are ValueErrors
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"{where} is unreadable ({first}); {fix}") from None
+        raise ConfigError(f"{where} is unreadable ({first_line(exc, type(exc).__name__)}); "
+                          f"{fix}") from None
     missing = [c for c in columns if c not in table.columns]
     if missing or table.empty:
         raise ConfigError(f"{where} {f'lacks columns {missing}' if missing else 'has no rows'}; "

@@ -30,6 +30,7 @@ from harness.schema import (  # noqa: F401 - ConfigError & co. are used as confi
     OPTIMIZERS,
     BenchConf,
     ConfigError,
+    first_line,
     is_real_network,
     resolve_backend,
     resolve_device,
@@ -45,11 +46,8 @@ def _parse(overrides: list[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
-        raise ConfigError(f"cannot parse overrides {overrides}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"cannot parse overrides {overrides}: "
+                          f"{first_line(exc, type(exc).__name__)}") from None
 
 
 def _check_choices(overrides: list[str]) -> None:
@@ -95,7 +93,8 @@ def _hydra_compose(overrides: tuple[str, ...], hydra_node: bool) -> dict:
         key = getattr(exc.__cause__, "full_key", None)
         if isinstance(exc.__cause__, (ConfigAttributeError, ConfigKeyError)) and key:
             raise ConfigError(_unknown_key(key, overrides)) from None
-        raise ConfigError(f"bad configuration {list(overrides)}: {_first_line(exc)}") from None
+        raise ConfigError(f"bad configuration {list(overrides)}: "
+                          f"{first_line(exc, type(exc).__name__)}") from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -227,7 +226,7 @@ def _schema_errors(func, *args, **kwargs):
     try:
         return func(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - omegaconf type errors
-        msg = _first_line(exc)
+        msg = first_line(exc, type(exc).__name__)
         key = getattr(exc, "full_key", None)
         if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and key:
             raise ConfigError(checks.unknown_key(key, OmegaConf.structured(BenchConf))) from None
@@ -303,7 +302,7 @@ def _check_method(method: DictConfig) -> None:
     try:
         methods.check(OmegaConf.to_container(method, resolve=True))
     except (ValueError, KeyError) as exc:
-        raise ConfigError(_first_line(exc)) from None
+        raise ConfigError(first_line(exc, type(exc).__name__)) from None
 
 
 def _check_servers(method: DictConfig, cluster: DictConfig) -> None:

@@ -28,6 +28,8 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from harness.schema import first_line
+
 VERSION = "0.28.1"  # Horovod's last release, built by harness.install_horovod
 INSTALL = ("build it into this venv with `make horovod` (Horovod 0.28.1 from source, "
            "about 5 minutes)")
@@ -50,9 +52,8 @@ def problem(*, device: str) -> str | None:
         with contextlib.redirect_stdout(io.StringIO()):
             from horovod.torch import mpi_ops
     except Exception as exc:  # noqa: BLE001 - ImportError, OSError: any failure to load
-        first = (str(exc).strip().splitlines() or [""])[0]
         return (f"engine=horovod needs Horovod, which cannot be loaded here "
-                f"({type(exc).__name__}: {first}); {INSTALL}, or use engine=native")
+                f"({type(exc).__name__}: {first_line(exc)}); {INSTALL}, or use engine=native")
     if not mpi_ops.gloo_built():
         return f"engine=horovod needs Horovod built with Gloo, and this one is not; {INSTALL}"
     if device == "cuda" and not mpi_ops.nccl_built():

@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from harness import failure, horovod, netem
 from harness.config import ConfigError, from_json, load, resolve_backend, resolve_device, to_json
 from harness.ranks import external_rank, host_of, num_servers, num_workers
+from harness.schema import first_line
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
@@ -404,8 +405,7 @@ def _rank_failed(cfg: DictConfig, entry: str, ctx: Context | None, *, rank: int,
     """Say why this rank failed: to the local launcher, which names the run's cause;
     else (srun, torchrun) as a failed row, unless it is a peer's symptom and the
     array script (which sets DDLBENCH_RUN_ID) records srun's failure itself."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    text = f"rank {rank}: {type(exc).__name__}: {first}".rstrip(": ")
+    text = f"rank {rank}: {type(exc).__name__}: {first_line(exc)}".rstrip(": ")
     print(f"ddlbench: {text}\n{traceback.format_exc()}", file=sys.stderr)
     if run_dir is not None:
         failure.write_error(run_dir, rank, exc, text)

@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from harness.schema import first_line
+
 # Column groups of a result row. Every shard carries all of them (missing
 # values are null), so frames from different runs concatenate cleanly.
 IDENTITY = [
@@ -186,7 +188,7 @@ def _not_a_shard(path: Path) -> str | None:
 
 
 def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def load_microbench(folder: str | os.PathLike) -> list[pd.DataFrame]:

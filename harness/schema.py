@@ -17,6 +17,12 @@ OPTIMIZERS = ("sgd", "adamw")
 ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives
 
 
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first line of an error's message (`default` when it has none), for one-line
+    reports of it."""
+    return (str(exc).strip().splitlines() or [default])[0]
+
+
 class ConfigError(ValueError):
     """Bad user input, reported as one line before anything starts."""
 
