@@ -192,8 +192,9 @@ def run_method(model_name: str, name: str, workers: int, *, out: Path,
 
 
 def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
-    """The targets' ratios per model within one round's runs."""
-    ok = _with_engine(frame[frame.status == "ok"])
+    """The targets' ratios per model within one round's runs (rows as `results.load` gives
+    them: every row names its engine)."""
+    ok = frame[frame.status == "ok"]
     tput = ok.groupby(["model", "method", "engine", "world_size"]).throughput.max().to_dict()
     top = max(workers)
     out = {}
@@ -219,17 +220,11 @@ def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, fl
     return out
 
 
-def _with_engine(frame: pd.DataFrame) -> pd.DataFrame:
-    """`frame` with an engine per row (rows that name none ran natively)."""
-    engine = frame["engine"].fillna("native") if "engine" in frame else "native"
-    return frame.assign(engine=engine)
-
-
 def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[str, dict]]:
     """Print throughput per configuration and each ratio's median over the rounds (each
     round's ratio pairs runs made minutes apart, so the drift of a shared machine cancels);
     return {model: {ratio: {"median", "min", "max", "rounds"}}}."""
-    frame = _with_engine(pd.concat(rounds))
+    frame = pd.concat(rounds)
     ok = frame[frame.status == "ok"].groupby(["model", "world_size", "method", "engine"]
                                              ).throughput
     print(ok.agg(["median", "min", "max", "count"]).round(2).to_string())

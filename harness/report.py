@@ -106,9 +106,8 @@ def normalize(frame: pd.DataFrame) -> pd.DataFrame:
     out = frame[
         [*CELL, "repeat", "run_id", "status", "error", "throughput", "model_intensity", *PHASES]
     ].copy()
-    if "engine" in frame:
-        other = frame["engine"].notna() & frame["engine"].ne("native")
-        out.loc[other, "method"] = out["method"][other] + "@" + frame["engine"][other]
+    other = frame["engine"].ne("native")  # results.load_report names every row's engine
+    out.loc[other, "method"] = out["method"][other] + "@" + frame["engine"][other]
     for col in ("model", "method", "network", "source", "status", "error", "run_id"):
         out[col] = out[col].astype("string")
     out[["network", "source"]] = out[["network", "source"]].fillna("n/a")

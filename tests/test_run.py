@@ -145,8 +145,8 @@ def test_methodbench_ratios_pair_each_optimization_with_its_plain_twin() -> None
     rows = [("bsp_ps", 2, 10.0), ("wfbp_ps", 2, 12.0), ("bytescheduler_ps", 2, 11.0),
             ("wfbp_a2a", 2, 20.0), ("bytescheduler_a2a", 2, 15.0), ("wfbp_a2a", 1, 9.0),
             ("plain", 1, 10.0)]
-    frame = pd.DataFrame([{"model": "m", "method": m, "world_size": w, "throughput": t,
-                           "status": "ok"} for m, w, t in rows])
+    frame = pd.DataFrame([{"model": "m", "method": m, "engine": "native", "world_size": w,
+                           "throughput": t, "status": "ok"} for m, w, t in rows])
     got = ratios(frame, workers=[1, 2])["m"]
     assert got == pytest.approx({"wfbp_ps/bsp_ps@2w": 1.2, "bytescheduler_ps/bsp_ps@2w": 1.1,
                                  "bytescheduler_a2a/wfbp_a2a@2w": 0.75, "wfbp_a2a/plain@1w": 0.9})
