@@ -28,10 +28,10 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from harness.install_horovod import VERSION
 from harness.schema import first_line
 
-VERSION = "0.28.1"  # Horovod's last release, built by harness.install_horovod
-INSTALL = ("build it into this venv with `make horovod` (Horovod 0.28.1 from source, "
+INSTALL = (f"build it into this venv with `make horovod` (Horovod {VERSION} from source, "
            "about 5 minutes)")
 
 
