@@ -123,7 +123,8 @@ def run_list(method_names: list[str], *, engines: list[str], counts: list[int]
              ) -> dict[int, list[str]]:
     """The names run at each worker count: every method natively, and the Horovod twin of
     each all-reduce method above 1 worker (where an all-reduce has something to move)."""
-    twins = [m + TWIN for m in method_names if m in checks.allreduce_methods()]
+    allreduce = checks.allreduce_methods()  # reads conf/method/: once
+    twins = [m + TWIN for m in method_names if m in allreduce]
     return {n: [m for m in method_names if "native" in engines]
             + (twins if "horovod" in engines and n > 1 else []) for n in counts}
 
