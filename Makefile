@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 # Horovod 0.28.1 from source against the venv's torch (harness/install_horovod.py: about
 # 5 minutes on 2 cores; a no-op once built). On a GPU cluster: HOROVOD_GPU_OPERATIONS=NCCL.
-$(HOROVOD_STAMP): $(STAMP) harness/install_horovod.py
+$(HOROVOD_STAMP): $(STAMP) harness/install_horovod.py harness/config/engine.py
 	$(PY) -m harness.install_horovod
 	touch $(HOROVOD_STAMP)
 

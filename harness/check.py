@@ -39,12 +39,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import config, horovod
-from harness.bench import nccl_version
+from harness import config
 from harness.config import ConfigError
-from harness.launch import Context, check_launcher, exit_now, launch
-from harness.ranks import external_rank, num_servers, num_workers
-from harness.schema import first_line
+from harness.config import engine as horovod
+from harness.config.ranks import external_rank, num_servers, num_workers
+from harness.config.schema import first_line
+from harness.launch.launcher import check_launcher, launch
+from harness.launch.rank import Context, exit_now
+from harness.measure.bench import nccl_version
 
 ENTRY = "harness.check"
 VERIFY_STEPS = 2

@@ -29,7 +29,8 @@ import tarfile
 import time
 from pathlib import Path
 
-VERSION = "0.28.1"
+from harness.config.engine import VERSION
+
 CMAKE_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
 CXX14 = re.compile(r"set\(CMAKE_CXX_STANDARD 14\)")
 BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",

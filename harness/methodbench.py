@@ -43,12 +43,15 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from harness import checks, config, results
+from harness import config
 from harness import run as harness_run
-from harness.bench import device_name, identity, plain_training
-from harness.launch import Context, launch
-from harness.schema import ENGINES
-from harness.timing import Clock, timed_window
+from harness.config import checks
+from harness.config.schema import ENGINES
+from harness.launch.launcher import launch
+from harness.launch.rank import Context
+from harness.measure import results
+from harness.measure.bench import device_name, identity, plain_training
+from harness.measure.timing import Clock, timed_window
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import results
-from harness.launch import Context, command, exit_now
-from harness.timing import device_sync
+from harness.launch.launcher import command
+from harness.launch.rank import Context, exit_now
+from harness.measure import results
+from harness.measure.timing import device_sync
 from methods.costmodel import least_squares, time_allreduce
 
 FOLDER = results.OTHER_DATA

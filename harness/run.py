@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import sys
 
+from omegaconf import DictConfig
+
 from harness import config
-from harness.bench import summarize
-from harness.launch import check_launcher, exit_now, launch
+from harness.launch.launcher import check_launcher, launch
+from harness.launch.rank import exit_now
+from harness.measure.bench import summarize
 
 STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped launcher
 
 
 def main(argv: list[str]) -> int:
     if any(a.startswith("hydra/launcher=") for a in argv):  # Hydra's launcher plugins
-        from harness.submit import hydra_main
-
         return hydra_main(argv)
     try:
         jobs = config.expand(argv)
@@ -37,7 +38,7 @@ def main(argv: list[str]) -> int:
     for i, (job, cfg) in enumerate(zip(jobs, cfgs), start=1):
         if len(jobs) > 1:
             print(f"== job {i}/{len(jobs)}: {' '.join(job)}", flush=True)
-        code, run_id = launch(cfg, entry="harness.bench")
+        code, run_id = launch(cfg, entry="harness.measure.bench")
         if run_id is not None:
             print(summarize(cfg, run_id), flush=True)
         if code in STOPPED:  # Ctrl-C or SIGTERM stops the sweep, not just this job
@@ -49,6 +50,25 @@ def main(argv: list[str]) -> int:
         print(f"{len(jobs) - failed} of {len(jobs)} jobs succeeded; results in "
               f"{cfgs[0].results_dir}/ (draw them: python -m harness.report)")
     return 1 if failed else 0
+
+
+def hydra_main(argv: list[str]) -> int:
+    """Run `argv` (with hydra/launcher=...) through Hydra's multirun: each job, wherever
+    the launcher puts it, validates its config and runs `harness.run.main` on it."""
+    import hydra
+
+    @hydra.main(config_path=str(config.CONF_DIR), config_name="bench", version_base=None)
+    def task(cfg: DictConfig) -> int:
+        from hydra.core.hydra_config import HydraConfig
+
+        code = main(list(HydraConfig.get().overrides.task))
+        if code:
+            raise RuntimeError(f"job {HydraConfig.get().job.num} exited with code {code}")
+        return code
+
+    sys.argv = [sys.argv[0], *(["-m"] if "-m" not in argv else []), *argv]
+    task()
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from torch import nn
 
 import methods
 import models
-from harness.bench import batch_generator, build, make_optimizer, model_of, serve_until_done
-from harness.launch import Context, command, exit_now
+from harness.launch.launcher import command
+from harness.launch.rank import Context, exit_now
+from harness.measure.bench import batch_generator, build, make_optimizer, model_of, serve_until_done
 
 
 def dropout_seed(seed: int, step: int, rank: int) -> int:

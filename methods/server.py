@@ -1,6 +1,6 @@
 """Parameter-server side, as BytePS's server: receive pushes, sum them on an engine, answer.
 
-One thread per worker reads that worker's control stream in order (methods/ps.py
+One thread per worker reads that worker's control stream in order (methods/ps_wire.py
 describes the protocol) and receives each announced partition from exactly that
 worker on exactly that key's tag, then queues it for the engine. The engine thread
 adds the queued pushes into each key's sum (the first one is copied) and, when the
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from methods.ps import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, STOP
+from methods.ps_wire import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, STOP
 
 POLL_S = 0.2
 

@@ -16,8 +16,9 @@ from torch import nn
 
 import methods
 import models
-from harness import bench, config
-from harness.launch import Context
+from harness import config
+from harness.launch.rank import Context
+from harness.measure import bench
 from methods.base import GradBuffer
 
 BUILT = (nn.Module, methods.Method, torch.optim.Optimizer, GradBuffer)

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import config, results
+from harness import config
+from harness.measure import results
 from tests.conftest import run_module
 
 SHORT = ["model=bert_tiny", "cluster.workers_per_node=2", "run.warmup_iters=1",

@@ -18,12 +18,13 @@ import pytest
 
 import harness.methodbench
 import harness.microbench
-import harness.report
+import harness.report.__main__
 import harness.run
 import harness.simulate
 import harness.submit
 import harness.verify  # noqa: F401 - imported once here, inherited by each row's fork
-from harness import checks, results
+from harness.config import checks
+from harness.measure import results
 from tests.conftest import TINY, run_main, run_module
 
 RO = "/proc/sys/ddlbench-test"  # a read-only file system: not writable, even for root
@@ -72,9 +73,9 @@ ROWS = [
     ("harness.run", ["results_dir={ro}/results"], ["results_dir=", "not writable"]),
     ("harness.microbench", ["results_dir={tmp}/file.txt"], ["results_dir=", "is a file"]),
     ("harness.simulate", [*STUDY, "results_dir={tmp}/file.txt"], ["is a file"]),
-    ("harness.report", ["results_dir={tmp}/results", "out_dir={tmp}/file.txt"],
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/file.txt"],
      ["out_dir=", "file.txt is a file"]),
-    ("harness.report", ["results_dir={tmp}/results", "out_dir={ro}/plots"],
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={ro}/plots"],
      ["out_dir=", "not writable"]),
     # typed values, free-form keys included
     ("harness.run", ["network=eth1g", "network.rate_mbit=abc"],
@@ -106,9 +107,9 @@ ROWS = [
     ("harness.simulate", [*STUDY, "simulate.reference={tmp}/other.csv"],
      ["has no cell of this sweep"]),
     # the report's own arguments
-    ("harness.report", ["results_dir={tmp}/results", "out_dir={tmp}/o", "colour=red"],
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o", "colour=red"],
      ["unknown argument 'colour=red'"]),
-    ("harness.report", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
                         "reference={tmp}/none.csv"], ["reference file", "not found"]),
     # submit's own options, Slurm settings and folders
     ("harness.submit", [*SMOKE, "dryrun=true"], ["did you mean dry_run=true?"]),
@@ -139,7 +140,7 @@ DEFAULTS = {  # where each command would write, inside the scratch folder
     "harness.microbench": ["results_dir={tmp}/results"],
     "harness.simulate": ["results_dir={tmp}/results"],
     "harness.submit": ["results_dir={tmp}/results"],
-    "harness.report": [],
+    "harness.report.__main__": [],
     "harness.methodbench": ["--results-dir", "{tmp}/results", "--rounds", "1"],
 }
 

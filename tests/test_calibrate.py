@@ -9,7 +9,7 @@ import re
 import pandas as pd
 import pytest
 
-from harness import calibrate, simulate
+from harness.predict import calibrate, model, sweep
 from tests.conftest import REFERENCE, run_module
 from tests.test_simulate import ALPHA, BETA, cfg, compute, net
 
@@ -19,7 +19,7 @@ NONE = {t.name: 0.0 for t in calibrate.TERMS}
 
 def predicted(*cases) -> pd.DataFrame:
     """Result rows of (configuration, compute) cases, as simulate.predict_sweep makes them."""
-    return pd.DataFrame([simulate.row(c, simulate.predict(c, comp, net()), comp, run_id="t")
+    return pd.DataFrame([sweep.row(c, model.predict(c, comp, net()), comp, run_id="t")
                          for c, comp in cases])
 
 

@@ -11,7 +11,8 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from harness import check, config, horovod
+from harness import check, config
+from harness.config import engine as horovod
 from tests.conftest import run_module
 
 METHODS = config.choices("method")

@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 
-from harness import checks, config, run
+from harness import config, run
+from harness.config import checks
+from harness.config import compose as composition
 from tests.conftest import TINY, run_module
 
 
@@ -38,7 +40,7 @@ def test_sweep_jobs_load_as_if_composed_one_by_one() -> None:
     assert len(jobs) == 3 * 7 * 4 + 3  # and the three 1-GPU baselines
     fast = config.load_all(jobs, simulate=True)
     for job, cfg in list(zip(jobs, fast))[::10]:
-        one = config._typed(config.compose_raw(job))  # Hydra applies every override itself
+        one = composition._typed(config.compose_raw(job))  # Hydra applies every override itself
         assert config.to_json(one) == config.to_json(cfg), job
 
 
@@ -52,19 +54,19 @@ def test_a_cached_compose_is_hydras_and_an_edit_to_conf_composes_again(
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from harness import cache
+    from harness.config import cache
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
         hydra = compose("bench", overrides=list(overrides), return_hydra_config=hydra_node)
     GlobalHydra.instance().clear()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    config._compose.cache_clear()
-    first = config._compose(overrides, hydra_node)  # composed by Hydra, then kept
-    config._compose.cache_clear()
+    composition._compose.cache_clear()
+    first = composition._compose(overrides, hydra_node)  # composed by Hydra, then kept
+    composition._compose.cache_clear()
     calls = []
-    monkeypatch.setattr(config, "_hydra_compose", lambda *a: calls.append(a) or {"x": 1})
-    again = config._compose(overrides, hydra_node)  # read back
+    monkeypatch.setattr(composition, "_hydra_compose", lambda *a: calls.append(a) or {"x": 1})
+    again = composition._compose(overrides, hydra_node)  # read back
     assert calls == [] and OmegaConf.is_struct(again)
     assert OmegaConf.to_yaml(first) == OmegaConf.to_yaml(again) == OmegaConf.to_yaml(hydra)
     assert OmegaConf.to_container(again, resolve=True) == OmegaConf.to_container(
@@ -75,13 +77,13 @@ def test_a_cached_compose_is_hydras_and_an_edit_to_conf_composes_again(
     (tmp_path / "conf" / "bench.yaml").write_text(
         (tmp_path / "conf" / "bench.yaml").read_text() + "\n# edited\n")
     cache._digest.cache_clear()
-    config._compose.cache_clear()
+    composition._compose.cache_clear()
     try:
-        assert config._compose(overrides, hydra_node) == OmegaConf.create({"x": 1})
+        assert composition._compose(overrides, hydra_node) == OmegaConf.create({"x": 1})
         assert len(calls) == 1
     finally:
         cache._digest.cache_clear()
-        config._compose.cache_clear()
+        composition._compose.cache_clear()
 
 
 def test_every_experiment_expands_to_valid_jobs() -> None:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import bench, config, failure, results
-from harness.failure import Ending
+from harness import config
+from harness.launch import failure
+from harness.launch.failure import Ending
+from harness.measure import bench, results
 
 WORKERS = 2
 
@@ -87,7 +89,7 @@ def test_no_row_for_a_repeat_that_has_its_shard(tmp_path: Path, written, repeat,
     cfg = _cfg(tmp_path)
     for r in written:
         _shard(cfg, "run", r)
-    failure.record(cfg, entry="harness.bench", run_id="run", repeat=repeat, error="boom")
+    failure.record(cfg, entry="harness.measure.bench", run_id="run", repeat=repeat, error="boom")
     frame = results.load(tmp_path).sort_values("repeat")
     assert list(zip(frame.status, frame.repeat)) == expect
 
@@ -95,7 +97,7 @@ def test_no_row_for_a_repeat_that_has_its_shard(tmp_path: Path, written, repeat,
 def test_a_run_with_a_failed_row_gets_no_second(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     _shard(cfg, "run", 0, status="failed")
-    failure.record(cfg, entry="harness.bench", run_id="run", repeat=None, error="again")
+    failure.record(cfg, entry="harness.measure.bench", run_id="run", repeat=None, error="again")
     assert len(results.load(tmp_path)) == 1
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import netem, results
+from harness.config import checks
+from harness.launch import netem
+from harness.measure import results
 from tests.conftest import REPO, live_processes
 
 WARMUP, TIMED = 1, 10
@@ -201,7 +203,7 @@ def test_full_disk_while_writing_a_shard_fails_the_repeat(tmp_path: Path) -> Non
 
 @pytest.mark.network
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-@pytest.mark.skipif(bool(netem.missing_tools()), reason="ip/tc (iproute2) are missing")
+@pytest.mark.skipif(bool(checks.missing_net_tools()), reason="ip/tc (iproute2) are missing")
 def test_sigint_during_an_emulated_run_removes_the_network(tmp_path: Path) -> None:
     run = Run(tmp_path, "cluster=emulated", "network=eth1g", "cluster.workers_per_node=2",
               timeout_s=60)

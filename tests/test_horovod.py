@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import horovod, netem, results
+from harness.config import checks
+from harness.config import engine as horovod
+from harness.launch.horovod import slots
+from harness.measure import results
 from harness.methodbench import run_list
 from tests.conftest import TINY, run_module
 from tests.test_methods import BERT, _method_overrides
@@ -32,7 +35,7 @@ FRAGMENTS = {
 
 def test_slots_are_horovodruns() -> None:
     """Local ranks count a host's workers, cross ranks the hosts with that local rank."""
-    plan = horovod.slots(["a", "a", "b", "b", "a"])
+    plan = slots(["a", "a", "b", "b", "a"])
     assert [(s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in plan] == [
         (0, 0, 3, 0, 2), (1, 1, 3, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2), (4, 2, 3, 0, 1)]
     assert {s.size for s in plan} == {5}
@@ -111,7 +114,7 @@ def test_a_run_on_horovod_records_its_version_and_settings(results_dir: Path) ->
 @pytest.mark.horovod
 @pytest.mark.network
 @loads_horovod
-@pytest.mark.skipif(os.geteuid() != 0 or bool(netem.missing_tools()),
+@pytest.mark.skipif(os.geteuid() != 0 or bool(checks.missing_net_tools()),
                     reason="network namespaces need root and iproute2")
 def test_ranks_in_network_namespaces_meet_on_their_interface(results_dir: Path) -> None:
     """One host name, two namespaces: Horovod's contexts must bind eth0, not the address

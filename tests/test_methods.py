@@ -45,8 +45,8 @@ import yaml
 
 import methods
 from harness import config, verify
-from harness.bench import build, model_of
-from harness.launch import Context, node_groups
+from harness.launch.rank import Context, node_groups
+from harness.measure.bench import build, model_of
 from harness.verify import flat_params, reference, train
 from methods.costmodel import Cost, least_squares
 from methods.layout import assign, cut

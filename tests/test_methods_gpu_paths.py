@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from methods import ps
+from methods import ps_node as ps
 from methods.base import GradBuffer, backward_order, until_completed
 from methods.plan import PerTensor
 from methods.priority import Priority

@@ -11,13 +11,15 @@ import time
 import pandas as pd
 import pytest
 
-from harness import netem, results
+from harness.config import checks
+from harness.launch import netem
+from harness.measure import results
 from tests.conftest import TINY, run_module
 
 pytestmark = [
     pytest.mark.network,
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
-    pytest.mark.skipif(bool(netem.missing_tools()), reason="ip/tc (iproute2) are missing"),
+    pytest.mark.skipif(bool(checks.missing_net_tools()), reason="ip/tc (iproute2) are missing"),
 ]
 
 # Receives for a while on one host, sends as fast as possible from the other.

@@ -12,7 +12,8 @@ import torch
 
 from harness import config
 from harness.config import ConfigError
-from harness.launch import group_backend, pick_device, torch_threads
+from harness.config.ranks import torch_threads
+from harness.launch.rank import group_backend, pick_device
 from tests.conftest import REPO, TINY
 
 
@@ -58,7 +59,8 @@ def test_nothing_of_a_repeat_is_alive_in_the_next(servers: bool, tmp_path) -> No
     names = [m for m in config.choices("method") if m.endswith("_ps") == servers]
     # two nodes of one worker: the PS methods push to their two servers
     shape = ["cluster.nodes=2"] if servers else ["cluster.workers_per_node=2"]
-    code = ("import sys; from harness.launch import command, exit_now; "
+    code = ("import sys; from harness.launch.launcher import command; "
+            "from harness.launch.rank import exit_now; "
             "exit_now(command(sys.argv[1:], entry='tests.release_entry'))")
     out = subprocess.run(
         [sys.executable, "-c", code, *TINY, "model=bert_tiny", f"method={names[0]}",

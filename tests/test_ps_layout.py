@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 import methods
-from harness import config, plan, results
-from harness.launch import node_groups
+from harness import config
+from harness.launch.rank import node_groups
+from harness.measure import results
+from harness.predict import plans as plan
 from harness.verify import train
 from methods import layout
 from methods.layout import PIECE_BITS, djb2

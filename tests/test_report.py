@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 from matplotlib.container import BarContainer
 
-from harness import report, results
+from harness.measure import results
+from harness.report import __main__ as command
+from harness.report import data, figures, style
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "shi2020_fig4_ib100.csv"
@@ -82,8 +84,8 @@ def expected(rows: list[dict], method: str, ws: int) -> tuple[float, float, floa
 
 
 def cells_of(rows: list[dict], tmp_path: Path) -> pd.DataFrame:
-    frame, _, _ = report.load_results(write(tmp_path / "results", rows))
-    return report.aggregate(frame)
+    frame, _, _ = data.load_results(write(tmp_path / "results", rows))
+    return data.aggregate(frame)
 
 
 def bars(fig) -> dict[str, list]:
@@ -104,7 +106,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_method_order_is_the_studys_then_ddp_then_alphabetical():
     names = ["zeta", "ddp", "mgwfbp", "alpha", "bsp_ps", "bytescheduler_a2a", "bsp_a2a"]
-    assert report.method_order(names) == [
+    assert style.method_order(names) == [
         "bsp_ps",
         "bsp_a2a",
         "mgwfbp",
@@ -113,12 +115,12 @@ def test_method_order_is_the_studys_then_ddp_then_alphabetical():
         "alpha",
         "zeta",
     ]
-    assert report.method_color("bsp_ps") != report.method_color("bsp_a2a")
+    assert style.method_color("bsp_ps") != style.method_color("bsp_a2a")
     # a method on another engine: right after it, in its color, hatched
-    assert report.method_order(["mgwfbp@horovod", "zeta", "bsp_a2a@horovod", "mgwfbp"]) == [
+    assert style.method_order(["mgwfbp@horovod", "zeta", "bsp_a2a@horovod", "mgwfbp"]) == [
         "bsp_a2a@horovod", "mgwfbp", "mgwfbp@horovod", "zeta"]
-    assert report.method_color("mgwfbp@horovod") == report.method_color("mgwfbp")
-    assert report.method_hatch("mgwfbp@horovod") and not report.method_hatch("mgwfbp")
+    assert style.method_color("mgwfbp@horovod") == style.method_color("mgwfbp")
+    assert style.method_hatch("mgwfbp@horovod") and not style.method_hatch("mgwfbp")
 
 
 def test_aggregate_mean_std_and_speedup_over_the_measured_baseline(tmp_path):
@@ -174,10 +176,10 @@ def best_labels(rows: list[dict], absent: set) -> list[str]:
 def test_bars_labels_and_missing_cells_in_the_figure(tmp_path):
     absent = {("wfbp_a2a", 4), ("ddp", 8)}
     rows = study_rows(skip={("wfbp_a2a", 4)}, fail={("ddp", 8)})
-    frame, _, _ = report.load_results(write(tmp_path / "results", rows))
-    cells = report.aggregate(frame)
-    missing = report.missing_cells(frame, cells)
-    fig = report.plot_throughput(cells, sizes=SIZES, notes=report._notes(missing, cells))
+    frame, _, _ = data.load_results(write(tmp_path / "results", rows))
+    cells = data.aggregate(frame)
+    missing = data.missing_cells(frame, cells)
+    fig = figures.plot_throughput(cells, sizes=SIZES, notes=figures._notes(missing, cells))
     got = bars(fig)
     assert {m: len(p) for m, p in got.items()} == {
         "bsp_a2a": 3,
@@ -196,7 +198,7 @@ def test_bars_labels_and_missing_cells_in_the_figure(tmp_path):
 def test_bar_heights_errors_and_ideal_marks_follow_the_data(tmp_path):
     rows = study_rows()
     cells = cells_of(rows, tmp_path)
-    fig = report.plot_throughput(cells)
+    fig = figures.plot_throughput(cells)
     for method, patches in bars(fig).items():
         heights = [p.get_height() for p in sorted(patches, key=lambda p: p.get_x())]
         assert heights == pytest.approx([expected(rows, method, ws)[0] for ws in SIZES])
@@ -207,15 +209,15 @@ def test_bar_heights_errors_and_ideal_marks_follow_the_data(tmp_path):
 def test_efficiency_and_breakdown_plots(tmp_path):
     rows = study_rows()
     cells = cells_of(rows, tmp_path)
-    lines = {ln.get_label(): ln for ln in report.plot_efficiency(cells).axes[0].get_lines()}
+    lines = {ln.get_label(): ln for ln in figures.plot_efficiency(cells).axes[0].get_lines()}
     mg = lines["mgwfbp"]  # on the common x of all sizes; NaN (a gap) where it did not run
     assert list(mg.get_xdata()) == [1, *SIZES] and np.isnan(mg.get_ydata()[0])
     assert list(mg.get_ydata()[1:]) == pytest.approx(
         [expected(rows, "mgwfbp", ws)[2] / ws for ws in SIZES]
     )
-    fig = report.plot_breakdown(cells)
+    fig = figures.plot_breakdown(cells)
     panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
-    assert list(panels) == report.method_order([*METHODS, "single"])
+    assert list(panels) == style.method_order([*METHODS, "single"])
     patches = panels["mgwfbp"].patches  # 4 stacked phases per size it ran at, none at 1
     assert len(patches) == 4 * len(SIZES) and len(panels["single"].patches) == 4
     tops: dict[float, float] = {}
@@ -224,7 +226,7 @@ def test_efficiency_and_breakdown_plots(tmp_path):
     assert [tops[x] for x in sorted(tops)] == pytest.approx(
         [0.1 + 0.2 + 0.05 * ws + 0.01 for ws in SIZES]
     )
-    assert report.plot_breakdown(cells.assign(**{c: np.nan for c in report.PHASES})) is None
+    assert figures.plot_breakdown(cells.assign(**{c: np.nan for c in data.PHASES})) is None
 
 
 def parse_mean_std(text: str) -> tuple[float, float]:
@@ -238,7 +240,7 @@ def test_cli_report_tables_and_missing_section(tmp_path, capsys):
     src = write(tmp_path / "results", rows)
     (src / "broken.parquet").write_bytes(b"not parquet")
     out = tmp_path / "plots"
-    assert report.main([f"results_dir={src}", f"out_dir={out}"]) == 0
+    assert command.main([f"results_dir={src}", f"out_dir={out}"]) == 0
     for kind in ("fig", "efficiency", "breakdown"):
         assert (out / f"{kind}_toy.png").stat().st_size > 0 and (out / f"{kind}_toy.pdf").exists()
     summary = pd.read_csv(out / "summary.csv").set_index("method")
@@ -281,7 +283,7 @@ def test_reference_panel_and_ratios(tmp_path):
     ref.to_csv(tmp_path / "ref.csv", index=False)
     src, out = write(tmp_path / "results", rows), tmp_path / "plots"
     assert (
-        report.main([f"results_dir={src}", f"out_dir={out}", f"reference={tmp_path / 'ref.csv'}"])
+        command.main([f"results_dir={src}", f"out_dir={out}", f"reference={tmp_path / 'ref.csv'}"])
         == 0
     )
     ratios = pd.read_csv(out / "ratios.csv").set_index(["method", "gpus"])
@@ -289,9 +291,9 @@ def test_reference_panel_and_ratios(tmp_path):
     mean, speedup = expected(rows, "wfbp_a2a", 8)[::2]
     assert ratios.loc[("wfbp_a2a", 8), "throughput_ratio"] == pytest.approx(mean / 800.0)
     assert ratios.loc[("wfbp_a2a", 8), "speedup_ratio"] == pytest.approx(speedup / 16.0)
-    frame, _, _ = report.load_results(src)
-    published = report.reference_cells(report.read_reference(tmp_path / "ref.csv"))
-    fig = report.plot_throughput(report.aggregate(frame), reference=published)
+    frame, _, _ = data.load_results(src)
+    published = data.reference_cells(data.read_reference(tmp_path / "ref.csv"))
+    fig = figures.plot_throughput(data.aggregate(frame), reference=published)
     assert len(fig.axes) == 2
     published_bars = [c for c in fig.axes[1].containers if isinstance(c, BarContainer)]
     assert sorted(len(c) for c in published_bars) == [2, 2]
@@ -312,7 +314,7 @@ def test_malformed_reference_exits_2_with_one_line(tmp_path, content, problem):
     if isinstance(content, bytes):
         path.write_bytes(content)
     elif content is not None:
-        path.write_text(content.format(header=",".join(report.REF_COLUMNS)))
+        path.write_text(content.format(header=",".join(data.REF_COLUMNS)))
     proc = run_cli(f"results_dir={tmp_path}", f"out_dir={tmp_path / 'o'}", f"reference={path}")
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
@@ -363,15 +365,15 @@ def test_reference_alone_reproduces_the_studys_headline_speedups(tmp_path):
         "fig_bert_base.png",
         "fig_bert_large.png",
     }
-    published = report.reference_cells(report.read_reference(STUDY_CSV))
-    fig = report.plot_throughput(published[published["model"] == "resnet50"])
+    published = data.reference_cells(data.read_reference(STUDY_CSV))
+    fig = figures.plot_throughput(published[published["model"] == "resnet50"])
     labels = [t.get_text() for t in fig.axes[0].texts]
     assert labels[-1] == "31.6x" and len(labels) == 4  # one per GPU count, 32 last
     assert {len(c) for c in fig.axes[0].containers if isinstance(c, BarContainer)} == {4}
 
 
 def test_two_thousand_shards_report_quickly(tmp_path):
-    methods = report.METHOD_ORDER[:8]  # 8 methods x 5 sizes x 50 repeats
+    methods = style.METHOD_ORDER[:8]  # 8 methods x 5 sizes x 50 repeats
     rows = [
         row(m, ws, r, 10.0 * ws * (1 - 0.01 * i) + r, run_id=f"{m}-{ws}-{r}")
         for i, m in enumerate(methods)
@@ -381,7 +383,7 @@ def test_two_thousand_shards_report_quickly(tmp_path):
     assert len(rows) == 2000
     src = write(tmp_path / "results", rows)
     start = time.perf_counter()
-    assert report.main([f"results_dir={src}", f"out_dir={tmp_path / 'plots'}"]) == 0
+    assert command.main([f"results_dir={src}", f"out_dir={tmp_path / 'plots'}"]) == 0
     assert time.perf_counter() - start < 60
     best = pd.read_csv(tmp_path / "plots" / "best.csv")
     assert list(best["best_method"]) == ["bsp_ps"] * 4
@@ -390,16 +392,16 @@ def test_two_thousand_shards_report_quickly(tmp_path):
 def test_a_parquet_of_other_columns_is_listed_as_unreadable(tmp_path, capsys):
     src = write(tmp_path / "results", study_rows(repeats=1))
     pd.DataFrame({"kind": ["p2p"], "seconds": [1.0]}).to_parquet(src / "other.parquet")
-    frame, bad, n = report.load_results(src)
+    frame, bad, n = data.load_results(src)
     assert [p.name for p, _ in bad] == ["other.parquet"] and frame["model"].notna().all()
     out = tmp_path / "plots"
-    assert report.main([f"results_dir={src}", f"out_dir={out}"]) == 0
+    assert command.main([f"results_dir={src}", f"out_dir={out}"]) == 0
     assert "ddlbench: warning: skipped unreadable shard" in capsys.readouterr().err
     assert "other.parquet" in (out / "summary.md").read_text()
 
 
 def test_an_out_dir_that_is_a_file_exits_2_before_reading(tmp_path, capsys):
     (tmp_path / "plots").write_text("a file")
-    assert report.main([f"results_dir={tmp_path}", f"out_dir={tmp_path / 'plots'}"]) == 2
+    assert command.main([f"results_dir={tmp_path}", f"out_dir={tmp_path / 'plots'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddlbench: error: out_dir=") and len(err.strip().splitlines()) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness import results
+from harness.measure import results
 
 
 def _row(run_id: str, repeat: int, throughput: float) -> dict:

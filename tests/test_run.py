@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import config, results
+from harness import config
+from harness.measure import results
 from tests.conftest import TINY, live_processes, run_module
 
 

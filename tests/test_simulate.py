@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import config, results, simulate
-from harness.profile import Compute
+from harness import config
+from harness.measure import results
+from harness.predict import model, network
+from harness.predict.profile import Compute
 from methods.costmodel import Cost
 from methods.plan import PerTensor
 from tests.conftest import run_module
@@ -14,9 +16,9 @@ from tests.conftest import run_module
 ALPHA, BETA = 1e-3, 1e-8  # s, s/byte: 100 MB/s links
 
 
-def net(*, allreduce: str = "ring", cycle_s: float = 0.0) -> simulate.Network:
+def net(*, allreduce: str = "ring", cycle_s: float = 0.0) -> network.Network:
     link = Cost(ALPHA, BETA)
-    return simulate.Network("test", link, link, allreduce, False, cycle_s)
+    return network.Network("test", link, link, allreduce, False, cycle_s)
 
 
 def compute(sizes: list[int], backward_s: list[float], *, forward_s: float = 0.1,
@@ -32,10 +34,10 @@ def cfg(method: str, *overrides: str):
 
 def test_bsp_one_tensor_is_compute_plus_one_allreduce() -> None:
     c = compute([1_000_000], [0.2])
-    pred = simulate.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())
+    pred = model.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())
     nbytes = 4_000_000
     # a 2-worker ring: 2 start-ups, each link carries the whole buffer once
-    assert simulate.allreduce_s(net(), nbytes, nodes=1, per_node=2) == pytest.approx(
+    assert network.allreduce_s(net(), nbytes, nodes=1, per_node=2) == pytest.approx(
         2 * ALPHA + BETA * nbytes)
     assert pred.iteration_s == pytest.approx(c.total_s + 2 * ALPHA + BETA * nbytes)
     assert pred.bottleneck == "exposed communication"
@@ -44,13 +46,13 @@ def test_bsp_one_tensor_is_compute_plus_one_allreduce() -> None:
 def test_a_negotiation_cycle_delays_each_all_reduce_to_its_next_tick() -> None:
     c = compute([1_000_000], [0.2])
     two = cfg("bsp_a2a", "cluster.workers_per_node=2")
-    plain = simulate.predict(two, c, net()).iteration_s
+    plain = model.predict(two, c, net()).iteration_s
     # 0.31 s of compute and a 42 ms all-reduce; with 20 ms ticks backward ends at 0.672 s,
     # 1.032 s, ...: each all-reduce waits 8 ms for the next tick, iterations take 0.36 s
     assert plain == pytest.approx(0.352)
-    assert simulate.predict(two, c, net(cycle_s=0.02)).iteration_s == pytest.approx(0.36)
+    assert model.predict(two, c, net(cycle_s=0.02)).iteration_s == pytest.approx(0.36)
     # torch DDP has no such cycle
-    ddp = simulate.predict(cfg("ddp", "cluster.workers_per_node=2"), c, net(cycle_s=0.02))
+    ddp = model.predict(cfg("ddp", "cluster.workers_per_node=2"), c, net(cycle_s=0.02))
     assert ddp.iteration_s == pytest.approx(c.total_s + 2 * ALPHA + BETA * 4_000_000)
 
 
@@ -59,16 +61,16 @@ def test_wfbp_hides_what_the_remaining_backward_covers() -> None:
     # 0.5 s of backward left; only the input-side tensor's all-reduce stays exposed
     c = compute([1_000_000, 10_000], [0.0004, 0.5])
     two = cfg("wfbp_a2a", "cluster.workers_per_node=2")
-    last = simulate.allreduce_s(net(), 40_000, nodes=1, per_node=2)
-    assert simulate.predict(two, c, net()).iteration_s == pytest.approx(c.total_s + last)
-    bsp = simulate.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())
-    assert bsp.iteration_s > simulate.predict(two, c, net()).iteration_s
+    last = network.allreduce_s(net(), 40_000, nodes=1, per_node=2)
+    assert model.predict(two, c, net()).iteration_s == pytest.approx(c.total_s + last)
+    bsp = model.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())
+    assert bsp.iteration_s > model.predict(two, c, net()).iteration_s
 
 
 def test_one_worker_all_reduce_is_compute_alone() -> None:
     c = compute([1_000_000, 10_000], [0.1, 0.1])
     for method in ("bsp_a2a", "mgwfbp", "bytescheduler_a2a"):
-        pred = simulate.predict(cfg(method), c, net())
+        pred = model.predict(cfg(method), c, net())
         assert pred.iteration_s == pytest.approx(c.total_s), method
         assert pred.speedup == pytest.approx(1.0)
 
@@ -78,7 +80,7 @@ def test_ps_traffic_per_server_divides_by_servers() -> None:
     c = compute([10_000_000], [0.01])
     busy = {}
     for servers in (1, 2):
-        pred = simulate.predict(cfg("bsp_ps", "cluster.nodes=4", f"cluster.servers={servers}",
+        pred = model.predict(cfg("bsp_ps", "cluster.nodes=4", f"cluster.servers={servers}",
                                     "method.transport.assignment=balanced"), c, net())
         busy[servers] = pred.plan["busy_s_per_iteration"]
         assert pred.plan["busiest_link"].startswith("server")
@@ -90,8 +92,8 @@ def test_ps_traffic_per_server_divides_by_servers() -> None:
 def test_mgwfbp_merges_small_tensors_and_beats_wfbp_on_start_up_costs() -> None:
     # 200 small tensors ready almost at once: one all-reduce each pays 200 start-ups
     c = compute([20_000] * 200, [0.0001] * 200)
-    wfbp = simulate.predict(cfg("wfbp_a2a", "cluster.nodes=4"), c, net())
-    merged = simulate.predict(cfg("mgwfbp", "cluster.nodes=4"), c, net())
+    wfbp = model.predict(cfg("wfbp_a2a", "cluster.nodes=4"), c, net())
+    merged = model.predict(cfg("mgwfbp", "cluster.nodes=4"), c, net())
     assert merged.plan["units"] < 200 == wfbp.plan["units"]
     assert merged.iteration_s < wfbp.iteration_s
 
@@ -103,12 +105,12 @@ def test_bytescheduler_overlaps_the_next_forward() -> None:
     c = Compute([12_000_000, 10_000], [0.05, 0.05], [0, 1], [((1,), 0.5), ((0,), 0.1)],
                 0.0, "test")
     credit = "method.scheduler.credit_elements=4000000", "method.scheduler.cycle_s=0"
-    prio = simulate.predict(cfg("bytescheduler_a2a", "cluster.nodes=2", *credit), c, net())
-    wfbp = simulate.predict(cfg("wfbp_a2a", "cluster.nodes=2"), c, net())
+    prio = model.predict(cfg("bytescheduler_a2a", "cluster.nodes=2", *credit), c, net())
+    wfbp = model.predict(cfg("wfbp_a2a", "cluster.nodes=2"), c, net())
     assert prio.plan["units"] == 4
     assert prio.iteration_s < wfbp.iteration_s - 0.2
     # the same scheduler on PS with its credit in bytes (priority_ps): one credit, not two
-    ps = simulate.predict(cfg("priority_ps", "cluster.nodes=2"), c, net())
+    ps = model.predict(cfg("priority_ps", "cluster.nodes=2"), c, net())
     assert ps.plan["units"] == 12 + 1 and ps.iteration_s > 0  # 4,096,000-byte slices
 
 
@@ -128,11 +130,11 @@ def test_bytescheduler_issues_while_credit_is_left_and_fuses_one_cycle() -> None
     units = PerTensor().plan([16, 16, 16])
     # credit 20: two 16-element pieces go at once (credit plus one), the third when one is back
     line = _Line()
-    assert simulate._priority(units, [0.0] * 3, line, 20) == [3.0, 2.0, 1.0]  # input first
+    assert model._priority(units, [0.0] * 3, line, 20) == [3.0, 2.0, 1.0]  # input first
     assert [t for _, _, t in line.calls] == [0.0, 0.0, 1.0]
     # a 0.5 s cycle and room to fuse: all three start together at the first tick, as one
     line = _Line()
-    done = simulate._priority(units, [0.1] * 3, line, 100, cycle_s=0.5, fusion=48)
+    done = model._priority(units, [0.1] * 3, line, 100, cycle_s=0.5, fusion=48)
     assert done == [1.5] * 3 and line.calls == [(2, 48 * 4, 0.5)]
 
 
@@ -171,7 +173,7 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
 
 def test_the_cache_keeps_a_result_and_a_cache_it_cannot_write_is_no_error(tmp_path,
                                                                            monkeypatch) -> None:
-    from harness import cache
+    from harness.config import cache
 
     calls = []
 

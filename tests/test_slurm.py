@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import config, results, submit
+from harness import config, submit
+from harness.launch import slurm as arrays
+from harness.measure import results
 from tests import slurm_cluster
 from tests.conftest import REPO, TINY, run_module
 
@@ -195,11 +197,11 @@ def test_srun_in_an_allocation_starts_one_run_of_its_tasks(slurm, tmp_path, meth
 
 
 def test_gres_strings_count_gpus_per_node() -> None:
-    assert submit.gres_gpus("(null)") == 0
-    assert submit.gres_gpus("gpu:4") == 4
-    assert submit.gres_gpus("gpu:a100:4(S:0-1)") == 4
-    assert submit.gres_gpus("gpu:a100:2(S:0,1),gpu:v100:2,shard:8") == 4
-    assert submit.gres_gpus("craynetwork:4") == 0
+    assert arrays.gres_gpus("(null)") == 0
+    assert arrays.gres_gpus("gpu:4") == 4
+    assert arrays.gres_gpus("gpu:a100:4(S:0-1)") == 4
+    assert arrays.gres_gpus("gpu:a100:2(S:0,1),gpu:v100:2,shard:8") == 4
+    assert arrays.gres_gpus("craynetwork:4") == 0
 
 
 @pytest.mark.parametrize("device, asked, partition_gpus, gpus", [
@@ -210,14 +212,14 @@ def test_null_gpus_per_node_is_one_per_worker_where_runs_use_gpus(
         device: str, asked: int | None, partition_gpus: int | None, gpus: int) -> None:
     cfg = config.load(["cluster=slurm", "cluster.workers_per_node=4"])
     cfg.cluster.device, cfg.cluster.slurm.gpus_per_node = device, asked
-    assert submit.gpus_for(cfg, partition_gpus) == gpus
+    assert arrays.gpus_for(cfg, partition_gpus) == gpus
 
 
 def test_cuda_without_gpus_is_one_line_and_exit_2(tmp_path) -> None:
     cfg = config.load(["cluster=slurm", f"cluster.slurm.jobs_dir={tmp_path}"])
     cfg.cluster.device, cfg.cluster.slurm.gpus_per_node = "cuda", 0
     with pytest.raises(config.ConfigError, match="cluster.slurm.gpus_per_node=0 requests no"):
-        submit.check_settings(cfg, cfg.cluster.slurm)
+        arrays.check_settings(cfg, cfg.cluster.slurm)
 
 
 @pytest.mark.parametrize("override, words", [
@@ -258,7 +260,7 @@ def test_cuda_is_checked_on_the_partition_not_on_this_machine(tmp_path) -> None:
 
 
 def test_a_configuration_done_natively_is_not_done_on_horovod(tmp_path) -> None:
-    from harness import bench
+    from harness.measure import bench
 
     cfg = config.load(["model=bert_tiny", "method=bsp_a2a", f"results_dir={tmp_path}"])
     row = {**bench.identity(cfg, run_id="r", repeat=0), "status": "ok", "throughput": 1.0}

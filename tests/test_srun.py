@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import ranks
+from harness.config import ranks
 
 # The variables Slurm 22.05 sets (trimmed to those that matter), as seen on the test cluster.
 STEP = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "node[01-04]", "SLURM_NTASKS": "8",

@@ -151,3 +151,15 @@ def _slurm_local_tasks(env: Mapping[str, str]) -> int:
         count, _, times = part.partition("(x")
         counts += [int(count)] * int(times.rstrip(")") or 1)
     return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
+
+
+def torch_threads(cfg: DictConfig, local_world_size: int, *, placed: bool = False) -> int:
+    """Threads of one rank: run.threads, else the CPUs srun gave this task (not divided
+    again), else this machine's cores shared by its local processes."""
+    if cfg.run.threads:
+        return cfg.run.threads
+    cores = len(os.sched_getaffinity(0))
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK")
+    if placed and per_task and "SLURM_STEP_ID" in os.environ:
+        return max(1, min(int(per_task), cores))
+    return max(1, cores // max(1, local_world_size))

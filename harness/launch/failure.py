@@ -12,7 +12,7 @@ rank 2 failed"). The row must name the cause, so the evidence is kept apart:
 
 Under srun the ranks cannot see each other's ends: a rank records its own
 error, a symptom is left to the array script, which runs
-`python -m harness.failure` when srun fails and the task left no failed row.
+`python -m harness.launch.failure` when srun fails and the task left no failed row.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness import config, results
+from harness import config
 
 # Errors a rank gets because another one failed (Gloo, NCCL, the TCP store, sockets):
 # a peer that did not answer in time, or a peer that went away.
@@ -193,35 +193,16 @@ def _named(timeouts: list[dict]) -> list[int]:
 
 
 def record(cfg: DictConfig, *, entry: str, run_id: str, repeat: int | None, error: str) -> None:
-    """Keep the failure as data (entries with `record_failure`): a failed row for
-    `repeat` (None: the first without a shard), unless that repeat has its shard,
-    all repeats have, or the run already has a failed row."""
+    """Keep the failure as data: the entry's `record_failure` (if it has one) decides
+    which repeat gets a failed row (None: the first without a result) and writes it."""
     module = importlib.import_module(entry)
     if not hasattr(module, "record_failure"):
-        return
-    shards = {r: results.shard_path(cfg.results_dir, run_id, r)
-              for r in range(cfg.run.repeats)}
-    written = [r for r, p in shards.items() if p.exists()]
-    if repeat is None:
-        repeat = next((r for r in shards if r not in written), None)
-    if repeat is None or repeat in written or _has_failed_row([shards[r] for r in written]):
         return
     try:
         module.record_failure(cfg, run_id=run_id, repeat=repeat, error=error)
     except OSError as exc:  # a full or vanished disk: say so, the exit code stays
         print(f"ddlbench: could not write the failed row of run {run_id}: {exc}",
               file=sys.stderr)
-
-
-def _has_failed_row(paths: list[Path]) -> bool:
-    for path in paths:
-        try:
-            frame = results.load(path)
-        except Exception:  # noqa: BLE001 - an unreadable shard is no failed row
-            continue
-        if (frame.status == "failed").any():
-            return True
-    return False
 
 
 def error_line(log: Path) -> str:
@@ -239,9 +220,13 @@ def error_line(log: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m harness.failure --run-id ID --exit-code N --log FILE -- [overrides]`:
+    """`python -m harness.launch.failure --entry MODULE --run-id ID --exit-code N --log FILE --
+    [overrides]`:
     the array script's record of a task whose srun failed."""
-    parser = argparse.ArgumentParser(prog="python -m harness.failure", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m harness.launch.failure",
+                                     description=main.__doc__)
+    parser.add_argument("--entry", required=True,
+                        help="the entry that ran, e.g. harness.measure.bench")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--exit-code", type=int, required=True)
     parser.add_argument("--log", type=Path, required=True)
@@ -250,7 +235,7 @@ def main(argv: list[str]) -> int:
     cfg = config.load(args.overrides)
     error = f"srun exited with code {args.exit_code}: {error_line(args.log)}"
     print(f"ddlbench: run {args.run_id} failed: {error}", file=sys.stderr)
-    record(cfg, entry="harness.bench", run_id=args.run_id, repeat=None, error=error)
+    record(cfg, entry=args.entry, run_id=args.run_id, repeat=None, error=error)
     return 0
 
 

@@ -27,13 +27,13 @@ from torch import nn
 
 import methods
 import models
-from harness import horovod, results
+from harness.config import engine as horovod
 from harness.config import to_json
-from harness.launch import Context
-from harness.ranks import num_servers, num_workers
-from harness.timing import PHASES, Clock, timed_window
-
-REPO = Path(__file__).resolve().parent.parent
+from harness.config.ranks import num_servers, num_workers
+from harness.config.schema import REPO
+from harness.launch.rank import Context
+from harness.measure import results
+from harness.measure.timing import PHASES, Clock, timed_window
 
 
 def make_optimizer(model: nn.Module, conf: DictConfig) -> torch.optim.Optimizer:
@@ -268,10 +268,20 @@ def git_commit() -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def record_failure(cfg: DictConfig, *, run_id: str, repeat: int, error: str) -> None:
-    """Write the failed row of `repeat` (harness.failure.record decides which repeat)."""
+def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: str) -> None:
+    """Write a failed row for `repeat` (None: the first without a shard), unless that
+    repeat has its shard, all repeats have, or the run already has a failed row (the
+    launcher's harness.launch.failure.record calls this on any failure)."""
+    shards = {r: results.shard_path(cfg.results_dir, run_id, r)
+              for r in range(cfg.run.repeats)}
+    written = [r for r, p in shards.items() if p.exists()]
+    if repeat is None:
+        repeat = next((r for r in shards if r not in written), None)
+    if repeat is None or repeat in written or results.has_failed_row(
+            [shards[r] for r in written]):
+        return
     row = {**identity(cfg, run_id=run_id, repeat=repeat), "status": "failed", "error": error}
-    results.write_shard(results.shard_path(cfg.results_dir, run_id, repeat), [row])
+    results.write_shard(shards[repeat], [row])
 
 
 def summarize(cfg: DictConfig, run_id: str) -> str:

@@ -15,7 +15,6 @@ import functools
 import inspect
 import itertools
 import os
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -24,19 +23,17 @@ from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from harness import cache, checks
-from harness.schema import (  # noqa: F401 - ConfigError & co. are used as config.X too
+from harness.config import cache, checks
+from harness.config.schema import (
+    CONF_DIR,
     GROUPS,
     OPTIMIZERS,
     BenchConf,
     ConfigError,
     first_line,
-    is_real_network,
-    resolve_backend,
-    resolve_device,
 )
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
 def choices(group: str) -> list[str]:
     """The names users can type for a config group: the file stems in conf/<group>/."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))

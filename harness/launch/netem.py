@@ -9,7 +9,6 @@ after a per-run token, made on entry and removed on exit, also on errors.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import uuid
 from collections.abc import Sequence
@@ -25,10 +24,6 @@ def _ip(*args: str) -> None:
 
 def _tc(*args: str) -> None:
     subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
-
-
-def missing_tools() -> list[str]:
-    return [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
 
 
 class EmulatedNetwork:

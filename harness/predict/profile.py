@@ -32,9 +32,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
-from harness.bench import plain_training
-from harness.cache import cached
-from harness.timing import device_sync
+from harness import config
+from harness.config.cache import cached
+from harness.config.ranks import num_servers, num_workers, torch_threads
+from harness.measure.bench import plain_training
+from harness.measure.timing import device_sync
 from methods.base import backward_order
 from methods.layerwise import module_layers
 
@@ -214,3 +216,38 @@ def measured_together(model_cfg: DictConfig, *, processes: int, threads: int, it
                     zip(first.forward, *([t for _, t in r.forward] for r in runs))],
                    statistics.fmean(r.update_s for r in runs),
                    f"{first.source} x{processes} processes")
+
+
+class ComputeProfiles:
+    """Each model's compute, profiled once per simulation."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, Compute] = {}
+
+    def __call__(self, cfg: DictConfig) -> Compute:
+        sim, model = cfg.simulate, cfg.model
+        if sim.compute != "measured":
+            key = (config.to_json(model), sim.compute)
+            if key not in self.cache:
+                self.cache[key] = counted(
+                    model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute)
+            return self.cache[key]
+        threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
+        # every worker of a local or emulated cluster runs on this machine: profile as many
+        # processes at once, so the profile has their sharing of its cores in it
+        together = num_workers(cfg) if cfg.cluster.name in ("local", "emulated") else 1
+        key = (config.to_json(model), threads, together)
+        if key not in self.cache:
+            import torch
+
+            print(f"profiling {model.name} on this machine ({together} process(es) of "
+                  f"{threads} thread(s))...", flush=True)
+            torch.set_num_threads(threads)
+            device = torch.device(config.resolve_device(cfg.cluster))
+            self.cache[key] = (
+                measured_together(model, processes=together, threads=threads,
+                                          iters=sim.profile_iters, device=device,
+                                          seed=cfg.run.seed) if together > 1 else
+                measured(model, iters=sim.profile_iters, device=device,
+                                 seed=cfg.run.seed))
+        return self.cache[key]

@@ -31,8 +31,10 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from harness import checks, config, results
-from harness.ranks import num_workers
+from harness import config
+from harness.config import checks
+from harness.config.ranks import num_workers
+from harness.measure import results
 
 CELL = ["model", "method", "network", "world_size"]
 

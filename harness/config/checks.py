@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from harness.ranks import external_rank, num_servers, num_workers
-from harness.schema import (
+from harness.config.ranks import external_rank, num_servers, num_workers
+from harness.config.schema import (
+    CONF_DIR,
     ENGINES,
     GROUPS,
     BenchConf,
@@ -38,7 +40,7 @@ BOUNDS = {
     "simulate.profile_iters": 1_000, "simulate.iterations": 10_000,
 }
 PROCESS_MB = 300  # a floor per local process: Python, torch and Gloo, before any model
-MAX_EMULATED_HOSTS = 250  # one /24 subnet (harness.netem)
+MAX_EMULATED_HOSTS = 250  # one /24 subnet (harness.launch.netem)
 TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
               dict: "a mapping", list: "a list"}
 # Keys of network profiles: the emulated link's rate, and the facts of a real network.
@@ -46,7 +48,7 @@ NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node
                 "allreduce": str, "ps_host_copy": bool,
                 "cycle_s": float}
 ALLREDUCE = ("ring", "tree", "hierarchical", "best")
-METHOD_DIR = Path(__file__).resolve().parent.parent / "conf" / "method"
+METHOD_DIR = CONF_DIR / "method"
 
 
 def cores() -> int:
@@ -106,9 +108,9 @@ def allreduce_methods() -> list[str]:
 
 def check_engine(cfg: DictConfig) -> None:
     """The engine is known and fits the method: Horovod runs all-reduce methods only, with
-    sane settings, and must load here (harness.horovod.problem)."""
+    sane settings, and must load here (harness.config.engine.problem)."""
     import methods
-    from harness import horovod
+    from harness.config import engine as horovod
 
     method = OmegaConf.to_container(cfg.method, resolve=True)
     transport = method["transport"]["name"]
@@ -194,10 +196,13 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
                           f"{gpus} GPUs of this node; lower it or use cluster.device=cpu")
 
 
+def missing_net_tools() -> list[str]:
+    """What an emulated network (harness/launch/netem.py) needs and this machine lacks."""
+    return [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+
+
 def check_links(cfg: DictConfig) -> None:
     """A run's network: loopback, or rate-limited links of an emulated cluster made here."""
-    from harness import netem
-
     if is_real_network(cfg.network):
         raise ConfigError(f"network={cfg.network.name} is a real network, for "
                           "`python -m harness.simulate` only; runs here use network=loopback "
@@ -213,8 +218,8 @@ def check_links(cfg: DictConfig) -> None:
         if os.geteuid() != 0:
             raise ConfigError("cluster=emulated makes network namespaces and needs root; "
                               "run as root or use cluster=local")
-        if netem.missing_tools():
-            raise ConfigError(f"cluster=emulated needs {' and '.join(netem.missing_tools())} "
+        if missing_net_tools():
+            raise ConfigError(f"cluster=emulated needs {' and '.join(missing_net_tools())} "
                               "on PATH; install iproute2 (apt-get install -y iproute2)")
         if cfg.cluster.device != "cpu":
             raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")

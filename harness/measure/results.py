@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from harness.schema import first_line
+from harness.config.schema import first_line
 
 # Column groups of a result row. Every shard carries all of them (missing
 # values are null), so frames from different runs concatenate cleanly.
@@ -208,3 +208,15 @@ def load_microbench(folder: str | os.PathLike) -> list[pd.DataFrame]:
             frames.append(frame)
     warn(bad)
     return frames
+
+
+def has_failed_row(paths: list[Path]) -> bool:
+    """Whether any of these shards holds a failed row (an unreadable shard holds none)."""
+    for path in paths:
+        try:
+            frame = load(path)
+        except Exception:  # noqa: BLE001 - an unreadable shard is no failed row
+            continue
+        if (frame.status == "failed").any():
+            return True
+    return False

@@ -8,10 +8,13 @@ the wrong type is an error before anything starts. Free-form parts (a model's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout: conf/, slurm/, models/
+CONF_DIR = REPO / "conf"
 GROUPS = ("model", "method", "cluster", "network", "experiment")
 OPTIMIZERS = ("sgd", "adamw")
 ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives

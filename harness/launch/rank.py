@@ -1,0 +1,230 @@
+"""Be one rank of a run: rendezvous over env:// (the local launcher's variables, or
+torchrun's or srun's), pick the rank's device and groups, run the entry's `worker(cfg,
+ctx)`, report a failure as data and end with `os._exit` after an explicit teardown.
+
+Locally spawned ranks run `python -m harness.launch.rank <entry> <config.json>`; under
+torchrun or srun, harness.launch.launcher calls `run_rank` in the process itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import itertools
+import os
+import sys
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from harness.config import ConfigError, from_json, resolve_backend, resolve_device
+from harness.config.ranks import num_servers, num_workers, torch_threads
+from harness.config.schema import first_line
+from harness.launch import failure, horovod
+
+
+@dataclass
+class Context:
+    """Who this process is in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    num_workers: int
+    num_servers: int
+    run_id: str
+    run_dir: Path | None  # scratch folder shared with the local launcher (None under srun)
+    device: torch.device
+    backend: str
+    worker_group: dist.ProcessGroup | None = None
+    node_groups: tuple | None = None  # this worker's node's two groups (node_groups)
+    repeat: int = 0  # the repeat in progress, for failure records
+
+    @property
+    def is_worker(self) -> bool:
+        return self.rank < self.num_workers
+
+    def beat(self, where: str) -> None:
+        """Tell the local launcher's watchdog this rank is making progress, and where."""
+        failure.beat(self.run_dir, self.rank, self.repeat, where)
+
+
+def group_backend(backend: str, *, worker: bool) -> str:
+    """The default group's backend on one rank. On NCCL runs CPU tensors (run-id
+    agreement, barriers, object collectives, PS messages, order messages, profile
+    reductions) travel over Gloo and CUDA tensors over NCCL; parameter servers, CPU
+    processes perhaps on nodes without GPUs, hold Gloo alone and so never create a CUDA
+    context. (Gloo's rendezvous keys are per device type, so both sides meet.)"""
+    if backend != "nccl":
+        return backend
+    return "cpu:gloo,cuda:nccl" if worker else "cpu:gloo"
+
+
+def pick_device(device_type: str, *, worker: bool, local_rank: int, visible: int
+                ) -> torch.device:
+    """A rank's device: servers and CPU runs the CPU; a GPU worker the one GPU its task
+    sees (Slurm's --gpus-per-task / --gpu-bind), else GPU `local_rank` of the node's."""
+    if device_type != "cuda" or not worker:
+        return torch.device("cpu")
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if not 0 <= local_rank < visible:
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU of its own: this process sees {visible} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give "
+            "each task one GPU (srun --gpus-per-task=1) or each node one GPU per worker")
+    return torch.device("cuda", local_rank)
+
+
+def device_settings(run: DictConfig) -> None:
+    """Apply run.tf32_matmul, run.tf32_cudnn and run.cudnn_benchmark (torch's defaults:
+    false, true, false) before any model is built."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if run.tf32_matmul else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if run.tf32_cudnn else "ieee"
+    torch.backends.cudnn.benchmark = run.cudnn_benchmark
+
+
+def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path | None,
+              rank: int, world_size: int, local_rank: int, local_world_size: int,
+              placed: bool = False) -> tuple[int, str | None]:
+    """Be one rank: rendezvous, run the entry's worker, report a failure as data.
+    `placed`: torchrun or srun started this process (else the local launcher)."""
+    failure.beat(run_dir, rank, 0, "starting")
+    module = importlib.import_module(entry)
+    worker = rank < num_workers(cfg)
+    backend = resolve_backend(cfg.cluster)
+    ctx = None
+    try:
+        device = pick_device(resolve_device(cfg.cluster), worker=worker, local_rank=local_rank,
+                             visible=torch.cuda.device_count() if worker else 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.set_num_threads(torch_threads(cfg, local_world_size, placed=placed))
+        device_settings(cfg.run)
+        if cfg.cluster.gloo_ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = cfg.cluster.gloo_ifname
+        failure.beat(run_dir, rank, 0, "joining the process group")
+        timeout = dt.timedelta(seconds=cfg.run.timeout_s)
+        dist.init_process_group(group_backend(backend, worker=worker), rank=rank,
+                                world_size=world_size, timeout=timeout,
+                                **_rendezvous(rank, world_size, timeout, placed=placed))
+        run_id = run_id or _agree_run_id(cfg)
+        workers = num_workers(cfg)
+        ctx = Context(rank=rank, world_size=world_size, local_rank=local_rank,
+                      local_world_size=local_world_size, num_workers=workers,
+                      num_servers=world_size - workers, run_id=run_id, run_dir=run_dir,
+                      device=device, backend=backend)
+        if ctx.num_servers:
+            ctx.worker_group = dist.new_group(list(range(workers)))
+        ctx.node_groups = node_groups(workers, cfg.cluster.workers_per_node, timeout=timeout)
+        session = None
+        if cfg.engine == "horovod" and ctx.is_worker:  # engine=horovod has no servers
+            ctx.beat("starting Horovod")
+            session = horovod.start(cfg, group=ctx.worker_group)
+        code = 0
+        try:
+            module.worker(cfg, ctx)
+        except SystemExit as exc:  # a worker's own verdict (e.g. verify's tolerance check)
+            code = int(exc.code or 0)
+        ctx.beat("leaving the process group")
+        dist.barrier()  # every rank is done with every collective: nobody tears down early
+        if session is not None:
+            session.stop()  # Horovod's thread ends with its peers' while all are alive
+        dist.destroy_process_group()
+        return code, run_id
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal
+        _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
+        exit_now(1)  # peers may be stuck in a collective: do not wait for clean-up
+
+
+def node_groups(workers: int, per_node: int, *, timeout: dt.timedelta) -> tuple | None:
+    """Two process groups per node of `per_node` workers, for PS methods' reduce and
+    broadcast inside the node (methods/ps.py), made on every rank (it is collective):
+    this worker's pair, or None (servers; one worker per node; one node)."""
+    if per_node == 1 or workers <= per_node:
+        return None
+    nodes = [list(range(n, n + per_node)) for n in range(0, workers, per_node)]
+    mine = [dist.new_subgroups_by_enumeration(nodes, timeout=timeout)[0] for _ in range(2)]
+    return tuple(mine) if mine[0] is not None else None
+
+
+_STORE: list = []  # torchrun's or srun's store, kept for every launch of this process
+_LAUNCHES = itertools.count()
+
+
+def _rendezvous(rank: int, world_size: int, timeout: dt.timedelta, *, placed: bool) -> dict:
+    """How a rank meets its peers. A locally spawned rank runs one launch: env://.
+    A placed rank (torchrun, srun) may run several in a row (a sweep, harness.check),
+    and a process group made again on the same store would reuse its keys: a rank
+    arriving first would read a peer's previous, closed Gloo address. So each launch
+    gets keys of its own on one store kept for the process (every rank runs the same
+    launches in the same order, so they agree on the prefix)."""
+    if not placed:
+        return {"init_method": "env://"}
+    if not _STORE:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        _STORE.append(store)
+    return {"store": dist.PrefixStore(f"ddlbench/launch{next(_LAUNCHES)}", _STORE[0])}
+
+
+def exit_now(code: int) -> None:
+    """End a process that ran a rank, skipping the interpreter's finalization.
+
+    Results are written and the process group destroyed by now, but torch's C++
+    objects (Gloo's worker threads, DDP's reducer, groups still referenced by
+    torch._dynamo) would be destroyed during finalization in no fixed order, and a
+    still-joinable thread destroyed there aborts a correct run at exit
+    ("terminate called without an active exception", SIGABRT).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def new_run_id(cfg: DictConfig) -> str:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{cfg.model.name}-{cfg.method.name}-w{num_workers(cfg)}-{uuid.uuid4().hex[:6]}"
+
+
+def _agree_run_id(cfg: DictConfig) -> str:
+    """Rank 0's run id for every rank (the array script's DDLBENCH_RUN_ID under srun)."""
+    box = [os.environ.get("DDLBENCH_RUN_ID") or new_run_id(cfg)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rank_failed(cfg: DictConfig, entry: str, ctx: Context | None, *, rank: int,
+                 run_id: str | None, run_dir: Path | None, exc: BaseException) -> None:
+    """Say why this rank failed: to the local launcher, which names the run's cause;
+    else (srun, torchrun) as a failed row, unless it is a peer's symptom and the
+    array script (which sets DDLBENCH_RUN_ID) records srun's failure itself."""
+    text = f"rank {rank}: {type(exc).__name__}: {first_line(exc)}".rstrip(": ")
+    print(f"ddlbench: {text}\n{traceback.format_exc()}", file=sys.stderr)
+    if run_dir is not None:
+        failure.write_error(run_dir, rank, exc, text)
+    elif run_id is not None and not (failure.symptom(exc) and "DDLBENCH_RUN_ID" in os.environ):
+        failure.record(cfg, entry=entry, run_id=run_id, repeat=ctx.repeat if ctx else None,
+                       error=text)
+
+
+def main(argv: list[str]) -> int:
+    """Entry of a locally spawned rank: `python -m harness.launch.rank <entry> <config.json>`."""
+    entry, cfg_path = argv
+    cfg = from_json(Path(cfg_path).read_text())
+    rank, world = int(os.environ["DDLBENCH_RANK"]), int(os.environ["DDLBENCH_WORLD_SIZE"])
+    local_world = num_workers(cfg) + num_servers(cfg)
+    code, _ = run_rank(cfg, entry=entry, run_id=os.environ["DDLBENCH_RUN_ID"],
+                        run_dir=Path(cfg_path).parent, rank=rank, world_size=world,
+                        local_rank=rank % cfg.cluster.workers_per_node,
+                        local_world_size=local_world)
+    return code
+
+
+if __name__ == "__main__":
+    exit_now(main(sys.argv[1:]))

@@ -1,0 +1,262 @@
+"""Slurm job arrays: where each rank of a configuration goes (`layout`), the settings and
+partition checks that need no run (`check_settings`, `check_cluster`, `check_gpus`),
+one array per resource shape (`group`), and the array script rendered from
+slurm/array.sbatch and handed to sbatch. `python -m harness.submit` drives it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness import config
+from harness.config import checks
+from harness.config.ranks import num_servers
+from harness.config.schema import REPO
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The resources of one array: every task gets `nodes` nodes x `tasks_per_node` ranks
+    and `gpus_per_node` GPUs on each node."""
+
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"n{self.nodes}x{self.tasks_per_node}" + (
+            f"g{self.gpus_per_node}" if self.gpus_per_node else "")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What submission checks of a partition, from `sinfo`."""
+
+    nodes: int
+    gpus_per_node: int  # the most GPUs (gres gpu) of any of its nodes; 0 = none
+
+
+@dataclass
+class Task:
+    """One configuration: its overrides, config, rank placement and resource shape."""
+
+    overrides: list[str]
+    cfg: DictConfig
+    slurm: DictConfig  # cluster.slurm: only submission reads it
+    layout: list[int]  # node index (in the allocation) of each rank: workers, then servers
+    gpus: int = 0  # GPUs per node to request: set by `check_gpus`
+
+    @property
+    def shape(self) -> Shape:
+        counts = [self.layout.count(n) for n in range(max(self.layout) + 1)]
+        return Shape(nodes=len(counts), tasks_per_node=max(counts), gpus_per_node=self.gpus)
+
+
+def layout(cfg: DictConfig, slurm: DictConfig) -> list[int]:
+    """Node index of every rank: workers fill `nodes` nodes in order, then the servers go
+    round-robin onto the worker nodes (colocate_servers) or onto nodes of their own."""
+    ranks = [n for n in range(cfg.cluster.nodes) for _ in range(cfg.cluster.workers_per_node)]
+    for s in range(num_servers(cfg)):
+        if slurm.colocate_servers:
+            ranks.append(s % cfg.cluster.nodes)
+        else:
+            ranks.append(cfg.cluster.nodes + s // slurm.servers_per_node)
+    return ranks
+
+
+def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
+    """The cluster.slurm rules that need no Slurm to check."""
+    if slurm.gpus_per_node is not None and slurm.gpus_per_node < 0:
+        raise config.ConfigError(f"cluster.slurm.gpus_per_node={slurm.gpus_per_node} is "
+                                 "invalid; use null (one per worker), 0 (CPU nodes) or more")
+    if cfg.cluster.device == "cuda" and slurm.gpus_per_node == 0:
+        raise config.ConfigError(
+            "cluster.device=cuda but cluster.slurm.gpus_per_node=0 requests no GPUs; set it "
+            "to null (one per worker) or a count, or use cluster.device=cpu")
+    if slurm.gpus_per_node and cfg.cluster.workers_per_node > slurm.gpus_per_node:
+        raise config.ConfigError(
+            f"cluster.workers_per_node={cfg.cluster.workers_per_node} exceeds "
+            f"cluster.slurm.gpus_per_node={slurm.gpus_per_node}; one GPU per worker")
+    if slurm.mem is not None and not re.fullmatch(r"\d+[KMGT]?", str(slurm.mem), re.I):
+        raise config.ConfigError(f"cluster.slurm.mem={slurm.mem!r} is invalid; use Slurm's "
+                                 "--mem form: a size in MB or with a K, M, G or T suffix (64G)")
+    if not slurm.colocate_servers and slurm.servers_per_node < 1:
+        raise config.ConfigError(f"cluster.slurm.servers_per_node={slurm.servers_per_node} "
+                                 "is invalid; it must be >= 1")
+    if not (REPO / slurm.template).is_file():
+        raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} does not exist; "
+                                 "give a path relative to the repository")
+    checks.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir)  # task lists, scripts, logs
+
+
+def group(tasks: list[Task]) -> dict[Shape, list[Task]]:
+    """Tasks by resource shape, smallest first (one array each)."""
+    shapes: dict[Shape, list[Task]] = {}
+    for task in tasks:
+        shapes.setdefault(task.shape, []).append(task)
+    return dict(sorted(shapes.items(), key=lambda kv: (kv[0].nodes, kv[0].tasks_per_node,
+                                                       kv[0].gpus_per_node)))
+
+
+def partitions() -> dict[str, Partition]:
+    """Every partition by name, from `sinfo` (the default partition also as '')."""
+    out = slurm_command(["sinfo", "--noheader", "--format=%P|%D|%G"])
+    found: dict[str, Partition] = {}
+    default = None
+    for line in out.splitlines():  # a partition has one line per group of alike nodes
+        name, count, gres = line.strip().split("|")
+        if name.endswith("*"):
+            name = default = name.rstrip("*")
+        seen = found.get(name, Partition(nodes=0, gpus_per_node=0))
+        found[name] = Partition(nodes=seen.nodes + int(count),
+                                gpus_per_node=max(seen.gpus_per_node, gres_gpus(gres)))
+    if default is not None:
+        found[""] = found[default]
+    return found
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs per node in a generic-resource string of `sinfo --format=%G`: 'gpu:4',
+    'gpu:a100:4(S:0-1)', 'gpu:a100:2,gpu:v100:2' (summed), '(null)' (none)."""
+    total = 0
+    for item in re.sub(r"\([^)]*\)", "", gres).split(","):
+        fields = item.strip().split(":")
+        if fields[0] == "gpu":
+            total += int(fields[-1]) if fields[-1].isdigit() else 1
+    return total
+
+
+def slurm_command(argv: list[str]) -> str:
+    if shutil.which(argv[0]) is None:
+        raise config.ConfigError(f"{argv[0]} is not on PATH; run on a Slurm login node, or "
+                                 "add dry_run=true to only print the job arrays")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        first = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[0]
+        raise config.ConfigError(f"{' '.join(argv)} failed: {first}")
+    return out.stdout
+
+
+def check_cluster(slurm: DictConfig, tasks: list[Task]) -> list[str]:
+    """The partition exists and has the nodes and GPUs every task needs; set each task's
+    GPU request (`check_gpus`) and return the notes to print."""
+    found = partitions()
+    name = slurm.partition or ""
+    if name not in found:
+        known = ", ".join(sorted(k for k in found if k))
+        raise config.ConfigError(f"cluster.slurm.partition={slurm.partition!r} is unknown; "
+                                 f"choose one of: {known}")
+    part, label = found[name], repr(slurm.partition or "(default)")
+    need = max(t.shape.nodes for t in tasks)
+    if need > part.nodes:
+        raise config.ConfigError(
+            f"a configuration needs {need} nodes but partition {label} has {part.nodes}; "
+            "drop the larger cluster.nodes or choose a bigger cluster.slurm.partition")
+    return check_gpus(tasks, partition_gpus=part.gpus_per_node, label=label)
+
+
+def gpus_for(cfg: DictConfig, partition_gpus: int | None) -> int:
+    """GPUs per node a configuration requests: cluster.slurm.gpus_per_node, or where that
+    is null one per worker if the runs use GPUs: cluster.device=cuda, or auto and the
+    partition has GPUs (`partition_gpus`; None = not asked, a dry run: taken as yes)."""
+    asked = cfg.cluster.slurm.gpus_per_node
+    if asked is not None:
+        return asked
+    device = cfg.cluster.device
+    if device == "cuda" or (device == "auto" and partition_gpus != 0):
+        return cfg.cluster.workers_per_node
+    return 0
+
+
+def check_gpus(tasks: list[Task], *, partition_gpus: int | None, label: str) -> list[str]:
+    """Set every task's GPU request and check it against the partition's GPUs per node
+    (None: not asked); return the notes on runs of cluster.device=auto that use CPUs."""
+    notes: list[str] = []
+    for task in tasks:
+        cfg, task.gpus = task.cfg, gpus_for(task.cfg, partition_gpus)
+        asked = cfg.cluster.slurm.gpus_per_node
+        why = (f"cluster.slurm.gpus_per_node={asked}" if asked is not None else
+               f"one per worker, cluster.workers_per_node={cfg.cluster.workers_per_node}")
+        if partition_gpus is not None and task.gpus > partition_gpus:
+            raise config.ConfigError(
+                f"a configuration requests --gpus-per-node={task.gpus} ({why}) but partition "
+                f"{label} has {partition_gpus} GPUs per node; choose a partition with more "
+                "(cluster.slurm.partition), or lower cluster.workers_per_node")
+        if task.gpus == 0 and cfg.cluster.backend == "nccl":
+            raise config.ConfigError(f"cluster.backend=nccl needs GPUs but {_no_gpus(asked, label)}"
+                                     "; use cluster.backend=auto or gloo")
+        if task.gpus == 0 and cfg.cluster.device == "auto":
+            notes.append(f"{_no_gpus(asked, label)}, so the runs (cluster.device=auto) use "
+                         "CPUs; set cluster.device=cpu to say so, or request GPUs")
+        elif partition_gpus is None and asked is None and cfg.cluster.device == "auto":
+            notes.append("dry run, Slurm not asked: cluster.device=auto requests one GPU per "
+                         "worker; on a partition without GPUs submission requests none and "
+                         "the runs use CPUs")
+    return list(dict.fromkeys(notes))
+
+
+def _no_gpus(asked: int | None, label: str) -> str:
+    """Why a task requests no GPUs."""
+    if asked == 0:
+        return "cluster.slurm.gpus_per_node=0 requests none"
+    return f"partition {label} has none (no gpu gres in sinfo; cluster.slurm.partition)"
+
+
+def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_name: str,
+           jobs_dir: Path, workdir: Path) -> str:
+    """The sbatch script of one array: `template` with its {{placeholders}} filled in."""
+    options = [f"--partition={slurm.partition}" if slurm.partition else None,
+               f"--account={slurm.account}" if slurm.account else None,
+               f"--time={slurm.time}" if slurm.time else None,
+               f"--gpus-per-node={shape.gpus_per_node}" if shape.gpus_per_node else None,
+               f"--cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else None,
+               f"--mem={slurm.mem}" if slurm.mem else None,
+               *slurm.extra]
+    # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
+    srun = f"--cpus-per-task={slurm.cpus_per_task} " if slurm.cpus_per_task else ""
+    values = {
+        "job_name": job_name, "last_task": str(count - 1),
+        "throttle": f"%{slurm.max_parallel}" if slurm.max_parallel else "",
+        "nodes": str(shape.nodes), "tasks_per_node": str(shape.tasks_per_node),
+        "log_dir": str(jobs_dir / "logs"), "jobs_dir": str(jobs_dir),
+        "sbatch_options": "\n".join(f"#SBATCH {o}" for o in options if o),
+        "srun_options": srun,
+        "workdir": shlex.quote(str(workdir)), "setup": slurm.setup or "",
+        "python": shlex.quote(sys.executable),
+    }
+    for key, value in values.items():
+        template = template.replace("{{" + key + "}}", value)
+    return template
+
+
+def write_array(tasks: list[Task], shape: Shape, *, root: Path, name: str) -> Path:
+    """Write one array's task list, layout and script under `root`; return the script."""
+    jobs_dir = root / f"{name}-{shape.label}"
+    (jobs_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (jobs_dir / "tasks.txt").write_text("".join(shlex.join(t.overrides) + "\n" for t in tasks))
+    (jobs_dir / "layout.txt").write_text("".join(" ".join(map(str, t.layout)) + "\n"
+                                                 for t in tasks))
+    script = jobs_dir / "array.sbatch"
+    script.write_text(script_text(tasks, shape, jobs_dir=jobs_dir, name=jobs_dir.name))
+    return script
+
+
+def script_text(tasks: list[Task], shape: Shape, *, jobs_dir: Path, name: str) -> str:
+    slurm = tasks[0].slurm
+    template = (REPO / slurm.template).read_text()
+    return render(template, slurm=slurm, shape=shape, count=len(tasks),
+                  job_name=f"ddlbench-{name}", jobs_dir=jobs_dir.resolve(), workdir=Path.cwd())
+
+
+def sbatch(script: Path) -> str:
+    """Submit `script`; return the array's job id."""
+    out = slurm_command(["sbatch", "--parsable", str(script)])
+    return out.strip().split(";")[0]

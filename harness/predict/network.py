@@ -1,0 +1,181 @@
+"""The network of a prediction: intra- and inter-node links (alpha + beta * bytes) from a
+real profile's facts or this machine's microbenchmark, the all-reduce algorithms
+(ring, tree, hierarchical; on the study's networks each starting on Horovod's
+negotiation cycle), and the queued resources iterations use: the collective streams and
+the parameter servers, each behind its own link."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness import config
+from harness.measure import results
+from methods.costmodel import Cost, least_squares
+
+ELEMENT_SIZE = 4  # fp32 gradients
+FIT_SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # elements, as methods.costmodel
+
+
+# -- the network -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    intra: Cost           # between the workers of one node
+    inter: Cost           # between nodes, and to every parameter server
+    allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
+    ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
+    cycle_s: float = 0.0   # all-reduces start on a framework cycle (Horovod's negotiation)
+
+
+def network(cfg: DictConfig) -> Network:
+    """The link model of `cfg.network`: a real network's facts, or the microbenchmark's fit."""
+    net = cfg.network
+    if config.is_real_network(net):
+        points = [(float(b), float(b) * 8 / (gbit * 1e9)) for b, gbit in net.inter_node.gbit_per_s]
+        inter = least_squares(*zip(*points))
+        ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
+        beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
+        return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
+                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
+                       float(net.get("cycle_s", 0.0)))
+    link = _microbench_link(cfg)
+    return Network(net.name, link, link, "ring", False)
+
+
+def _microbench_link(cfg: DictConfig) -> Cost:
+    """The point-to-point alpha/beta of the newest microbenchmark of this network."""
+    folder = Path(cfg.results_dir) / results.OTHER_DATA
+    fits = [f for f in results.load_microbench(folder)
+            if (f.network == cfg.network.name).all() and (f.kind == "p2p").any()]
+    if not fits:
+        where = "cluster=emulated " if cfg.network.get("rate_mbit") else ""
+        raise config.ConfigError(
+            f"network={cfg.network.name} has no measured link in {folder}; measure it first: "
+            f"python -m harness.microbench {where}network={cfg.network.name} "
+            f"cluster.{'nodes' if where else 'workers_per_node'}=2")
+    p2p = fits[-1][fits[-1].kind == "p2p"].iloc[0]
+    return Cost(float(p2p.alpha_s), float(p2p.beta_s_per_byte))
+
+
+def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> float:
+    """Seconds of one all-reduce of `nbytes` over nodes x per_node workers."""
+    p = nodes * per_node
+    if p == 1 or nbytes == 0:
+        return 0.0
+    links = ([net.intra] if per_node > 1 else []) + ([net.inter] if nodes > 1 else [])
+    alpha, beta = max(c.alpha for c in links), max(c.beta for c in links)
+    moved = 2 * (p - 1) / p * nbytes * beta  # every link of a ring carries this much
+    if net.allreduce == "hierarchical":  # reduce-scatter in the node, ring across, all-gather
+        local = 2 * (per_node - 1) * (net.intra.alpha + nbytes / per_node * net.intra.beta)
+        across = 2 * (nodes - 1) * (net.inter.alpha + nbytes / p * net.inter.beta)
+        return local + across
+    ring = 2 * (p - 1) * alpha + moved
+    # a tree: logarithmic start-up across nodes, a chain within; no better bandwidth than a ring
+    depth = math.ceil(math.log2(nodes)) * net.inter.alpha + (per_node - 1) * net.intra.alpha
+    tree = 2 * depth + moved
+    return {"ring": ring, "tree": tree, "best": min(ring, tree)}[net.allreduce]
+
+
+def fitted_cost(net: Network, *, nodes: int, per_node: int) -> Cost:
+    """alpha + beta * bytes fitted to this network's all-reduce (what MG-WFBP measures)."""
+    fit_bytes = [n * ELEMENT_SIZE for n in FIT_SIZES]
+    return least_squares(fit_bytes, [allreduce_s(net, b, nodes=nodes, per_node=per_node)
+                                     for b in fit_bytes])
+
+
+# -- communication: resources with a queue ---------------------------------------------------
+
+class Collectives:
+    """All-reduces run one at a time, in issue order (one communication stream).
+
+    `seconds(unit, nbytes)` is the duration of unit `unit` (its first, when fused)
+    moving `nbytes`. With a `cycle_s`, an all-reduce issued at t starts no earlier
+    than the next multiple of it: Horovod's background loop negotiates the tensors
+    that became ready once per cycle, then runs them.
+    """
+
+    def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0) -> None:
+        self.seconds = seconds
+        self.cycle_s = cycle_s
+        self.free = 0.0
+        self.busy = {"collective": 0.0}
+
+    def issue(self, unit: int, nbytes: int, t: float) -> float:
+        duration = self.seconds(unit, nbytes)
+        if self.cycle_s:
+            t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
+        self.free = max(t, self.free) + duration
+        self.busy["collective"] += duration
+        return self.free
+
+
+@dataclass
+class _Link:
+    free: float = 0.0
+    busy: float = 0.0
+
+    def occupy(self, t: float, seconds: float) -> float:
+        self.free = max(t, self.free) + seconds
+        self.busy += seconds
+        return self.free
+
+
+@dataclass
+class ParameterServers:
+    """Push every partition to its server, which answers once all pushes are in.
+
+    Links are one-way queues: a node's uplink and downlink (a worker's own when nodes
+    do not reduce locally), each server's downlink and uplink, and the node's bus
+    (intra-node links) up and down. Up: the node's workers reduce-scatter the partition
+    and each copies its slice to host memory; down: the copies back and the all-gather
+    (BytePS). Both directions stream at once over the one PCIe fabric of the node, whose
+    rate the intra-node all-reduce fact gives, so each gets half of it.
+    """
+
+    net: Network
+    parts: list[list[tuple[int, int]]]  # per unit: (bytes, server index)
+    nodes: int
+    per_node: int
+    servers: int
+    local_reduce: bool  # a node sums its workers' gradients and pushes once (BytePS)
+    links: dict[str, _Link] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sharing = self.per_node if self.local_reduce else 1  # workers that share a partition
+        # bytes per worker over the bus per byte of partition, each way: the
+        # reduce-scatter (or all-gather) and the copy of its slice, at half the rate
+        bus_share = 2 * ((sharing - 1) + self.net.ps_host_copy) / sharing
+        senders = self.nodes if self.local_reduce else self.nodes * self.per_node
+        node_share = 1 if self.local_reduce else self.per_node
+        self.links = {n: _Link() for n in ("node_up", "node_down", "bus_up", "bus_down")}
+        servers = [(_Link(), _Link()) for _ in range(self.servers)]
+        for s, (down, up) in enumerate(servers):
+            self.links[f"server{s}_in"], self.links[f"server{s}_out"] = down, up
+        inter, intra = self.net.inter, self.net.intra
+        # per unit, per partition: (bus seconds, node link seconds, server link seconds, links)
+        self.steps = [[(intra.seconds(size * bus_share) if bus_share else 0.0,
+                        size * node_share * inter.beta, size * senders * inter.beta,
+                        servers[server]) for size, server in unit] for unit in self.parts]
+
+    @property
+    def busy(self) -> dict[str, float]:
+        return {n: link.busy for n, link in self.links.items()}
+
+    def issue(self, unit: int, nbytes: int, t: float) -> float:
+        done, alpha = t, self.net.inter.alpha
+        node_up, node_down = self.links["node_up"], self.links["node_down"]
+        bus_up, bus_down = self.links["bus_up"], self.links["bus_down"]
+        for bus, node, server, (server_in, server_out) in self.steps[unit]:
+            start = bus_up.occupy(t, bus) if bus else t
+            pushed = max(node_up.occupy(start, node), server_in.occupy(start, server)) + alpha
+            pulled = max(server_out.occupy(pushed, server), node_down.occupy(pushed, node)) + alpha
+            if bus:
+                pulled = bus_down.occupy(pulled, bus)
+            done = max(done, pulled)
+        return done

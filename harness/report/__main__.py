@@ -1,0 +1,119 @@
+"""Paper-style report: the study's figures and tables, computed from result rows only.
+
+Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [reference=<csv>]``
+
+* Input: every parquet shard under ``results_dir`` (``results.load_report``; unreadable
+  shards are listed, never dropped silently) and optionally a published CSV (REF_COLUMNS).
+* A *setting* is (model, local_batch_size, network, source): measured, simulated and
+  published numbers are never mixed. Per (setting, method, world_size) *cell*: mean and
+  std of throughput over the repeats with status "ok".
+* Speedup = mean / the model's 1-worker baseline (mean ok throughput at world_size 1, any
+  method, preferring the same network and source); published speedups divide by the
+  reference's ``single_gpu_throughput``. No number is typed into the code.
+* ``out_dir`` gets per setting ``fig_*`` (grouped bars with std error bars, ideal linear
+  scaling, best speedup per group, a hatched published panel when the reference has the
+  model), ``efficiency_*`` and ``breakdown_*`` (PNG + PDF), and ``summary.md``,
+  ``summary.csv``, ``best.csv``, ``ratios.csv`` (with both inputs). With a reference and
+  no results, the reference alone is drawn (the study's own figures).
+* Missing cells and failed runs get no bar; they are noted in the figure and listed in
+  summary.md's "Missing" section.
+* User errors (no data, bad reference, unknown argument, an out_dir that cannot be written):
+  one line on stderr, exit code 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.config import ConfigError, checks
+from harness.measure import results
+from harness.report.data import (
+    ReportError,
+    _log,
+    aggregate,
+    failed_runs,
+    load_results,
+    missing_cells,
+    read_reference,
+    reference_cells,
+)
+from harness.report.figures import write_figures
+from harness.report.tables import _missing_section, write_tables
+
+ARGS = {"results_dir": "results", "out_dir": "plots", "reference": None}
+
+
+def _no_data(results_dir: str | Path, bad: list[tuple[Path, str]], n: int) -> ReportError:
+    hint = "run a benchmark first or pass reference=<csv> to draw the published numbers alone"
+    if not Path(results_dir).exists():
+        return ReportError(f"results_dir '{results_dir}' does not exist; {hint}")
+    if bad and len(bad) == n:
+        return ReportError(
+            f"none of the {n} shards under '{results_dir}' could be read (first: "
+            f"{bad[0][0]}: {bad[0][1]}); re-run them or move them away"
+        )
+    return ReportError(f"no result rows in shards (*.parquet) under '{results_dir}'; {hint}")
+
+
+def report(results_dir: str, out_dir: str, reference: str | None = None) -> None:
+    """Load, aggregate and write every figure and table (see the module docstring)."""
+    checks.output_dir("out_dir", out_dir)
+    published = reference_cells(read_reference(reference)) if reference else None
+    start = time.perf_counter()
+    frame, bad, n = load_results(results_dir)
+    if frame.empty and published is None:
+        raise _no_data(results_dir, bad, n)
+    _log(
+        f"loaded {n} shards ({len(frame)} rows, {len(bad)} unreadable) from '{results_dir}' "
+        f"in {time.perf_counter() - start:.1f}s"
+    )
+    results.warn(bad)
+    if frame.empty:  # the reference alone: the study's own figures and numbers
+        data, attempted, published = published, published, None
+    else:
+        data, attempted = aggregate(frame), frame
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    missing = missing_cells(frame, data)
+    write_figures(data, out, attempted=attempted, reference=published, missing=missing)
+    header = (
+        f"# ddlbench report\n\nresults_dir `{results_dir}`: {n} shards, {len(frame)} rows, "
+        f"{len(bad)} unreadable; reference `{reference or 'none'}`.\n"
+    )
+    gaps = _missing_section(missing, failed_runs(frame), bad, data)
+    write_tables(data, out, header=header, published=published, missing=gaps)
+
+
+def parse_args(argv: Sequence[str]) -> dict[str, str | None]:
+    """key=value arguments over ARGS' defaults; an unknown key is a ReportError."""
+    args = dict(ARGS)
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ARGS:
+            raise ReportError(
+                f"unknown argument '{item}'; use key=value with keys "
+                f"{', '.join(ARGS)}, e.g. results_dir=results out_dir=plots"
+            )
+        args[key] = value or None
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    try:
+        report(**parse_args(argv))
+    except (ReportError, ConfigError) as exc:
+        print(f"ddlbench: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

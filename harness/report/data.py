@@ -1,0 +1,182 @@
+"""The report's numbers: result rows and published numbers -> cells.
+
+A *setting* is (model, local_batch_size, network, source); a *cell* is a setting's
+(method, world_size), with mean and std of ok throughput, baseline, speedup and efficiency.
+Also the validated reference, failed runs, missing cells and `ReportError` (a problem the
+user can fix), which the command turns into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from harness.measure import results
+
+SETTING = ["model", "local_batch_size", "network", "source"]
+CELL = [*SETTING, "method", "world_size"]
+PHASES = ["forward_s", "backward_s", "comm_s", "update_s"]
+REF_COLUMNS = ["model", "local_batch_size", "network", "method", "gpus"] + (
+    "throughput_mean throughput_std single_gpu_throughput".split()
+)
+# Published columns -> the names of `aggregate`'s output.
+_REF_RENAME = {
+    "gpus": "world_size",
+    "throughput_mean": "mean",
+    "throughput_std": "std",
+    "single_gpu_throughput": "baseline",
+}
+
+
+class ReportError(Exception):
+    """A problem the user can fix: `main` prints it as one line and exits with 2."""
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _setting_id(frame: pd.DataFrame) -> pd.Series:
+    """One string per row naming its setting (NA-safe, vectorized)."""
+    parts = [frame[c].astype("string").fillna("?") for c in SETTING]
+    return parts[0].str.cat(parts[1:], sep="|")
+
+
+def normalize(frame: pd.DataFrame) -> pd.DataFrame:
+    """The columns the report uses, typed; null network/source become 'n/a'. A method run
+    on another engine than the native one is a method of its own (`wfbp_a2a@horovod`)."""
+    out = frame[
+        [*CELL, "repeat", "run_id", "status", "error", "throughput", "model_intensity", *PHASES]
+    ].copy()
+    other = frame["engine"].ne("native")  # results.load_report names every row's engine
+    out.loc[other, "method"] = out["method"][other] + "@" + frame["engine"][other]
+    for col in ("model", "method", "network", "source", "status", "error", "run_id"):
+        out[col] = out[col].astype("string")
+    out[["network", "source"]] = out[["network", "source"]].fillna("n/a")
+    for col in ("world_size", "local_batch_size", "repeat"):
+        out[col] = pd.to_numeric(out[col]).astype("Int64")
+    for col in ("throughput", "model_intensity", *PHASES):
+        out[col] = pd.to_numeric(out[col], errors="coerce").astype(float)
+    return out.assign(
+        sid=_setting_id(out), ok=out["status"].eq("ok").fillna(False) & out["throughput"].notna()
+    )
+
+
+def baselines(ok: pd.DataFrame, cells: pd.DataFrame) -> np.ndarray:
+    """Each cell's 1-worker baseline: mean ok throughput at world_size 1 (any method),
+    from the same network and source if there is one, else the same source, else any."""
+    single = ok[ok["world_size"] == 1]
+    base = pd.Series(np.nan, index=cells.index)
+    for keys in (SETTING, ["model", "local_batch_size", "source"], ["model", "local_batch_size"]):
+        means = single.groupby(keys, dropna=False)["throughput"].mean().rename("_base")
+        found = cells[keys].merge(means, left_on=keys, right_index=True, how="left")
+        base = base.fillna(pd.Series(found["_base"].to_numpy(float), index=cells.index))
+    return base.to_numpy(float)
+
+
+def _with_speedup(cells: pd.DataFrame) -> pd.DataFrame:
+    speedup = cells["mean"] / cells["baseline"]
+    return cells.assign(
+        speedup=speedup,
+        efficiency=speedup / cells["world_size"].astype(float),
+        sid=_setting_id(cells),
+    )
+
+
+def aggregate(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per cell of a normalized frame: mean, std and count of ok throughput, mean model
+    intensity and phase times, baseline, speedup and efficiency (speedup / world_size)."""
+    ok = frame[frame["ok"]]
+    stats = {
+        "mean": ("throughput", "mean"),
+        "std": ("throughput", "std"),
+        "repeats": ("throughput", "size"),
+        "intensity": ("model_intensity", "mean"),
+        **{p: (p, "mean") for p in PHASES},
+    }
+    cells = ok.groupby(CELL, dropna=False, sort=False).agg(**stats).reset_index()
+    return _with_speedup(cells.assign(baseline=baselines(ok, cells)))
+
+
+def read_reference(path: str | Path) -> pd.DataFrame:
+    """Read a published-numbers CSV and validate it; ReportError names the problem."""
+    fix = f"pass reference=<csv with columns {','.join(REF_COLUMNS)}>"
+    try:
+        ref = pd.read_csv(path)
+    except FileNotFoundError:
+        raise ReportError(f"reference file '{path}' not found; {fix}") from None
+    except (OSError, ValueError) as exc:  # parser errors and decode errors are ValueErrors
+        raise ReportError(f"reference file '{path}' is unreadable ({exc}); {fix}") from None
+    missing = [c for c in REF_COLUMNS if c not in ref.columns]
+    if missing or ref.empty:
+        what = f"lacks columns {missing}" if missing else "has no rows"
+        raise ReportError(f"reference file '{path}' {what}; {fix}")
+    for col in REF_COLUMNS[4:]:
+        values = pd.to_numeric(ref[col], errors="coerce")
+        bad = values.isna() & (ref[col].notna() | (col != "throughput_std"))
+        if bad.any():
+            raise ReportError(
+                f"reference file '{path}': column {col} has non-numeric value "
+                f"'{ref[col][bad].iloc[0]}' (line {bad.idxmax() + 2}); fix it"
+            )
+        ref[col] = values
+    return ref
+
+
+def reference_cells(ref: pd.DataFrame) -> pd.DataFrame:
+    """A validated reference in the shape of `aggregate`'s output (source 'published')."""
+    cells = (
+        ref[REF_COLUMNS]
+        .rename(columns=_REF_RENAME)
+        .astype({"model": "string", "method": "string", "network": "string"})
+    )
+    cells = cells.astype({"local_batch_size": "Int64", "world_size": "Int64"}).assign(
+        network=cells["network"].fillna("n/a"),
+        source="published",
+        repeats=pd.NA,
+        intensity=np.nan,
+        **{p: np.nan for p in PHASES},
+    )
+    dup = cells.duplicated(CELL)
+    if dup.any():
+        raise ReportError(
+            f"reference has duplicate rows for {cells[CELL][dup].iloc[0].tolist()}"
+            "; keep one row per model, network, method and gpus"
+        )
+    return _with_speedup(cells)
+
+
+def failed_runs(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows that did not produce a throughput, with their error text (truncated)."""
+    failed = frame[~frame["ok"]]
+    error = failed["error"].fillna("status " + failed["status"].fillna("missing"))
+    return failed.assign(error=error.str.replace(r"\s+", " ", regex=True).str.slice(0, 120))
+
+
+def missing_cells(frame: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """Cells of each setting's (method x world_size > 1) grid with no ok run, and why."""
+    multi = frame[frame["world_size"] > 1]
+    grid = (
+        multi[["sid", *SETTING, "method"]]
+        .drop_duplicates()
+        .merge(multi[["sid", "world_size"]].drop_duplicates(), on="sid")
+    )
+    have = cells[["sid", "method", "world_size"]].assign(_have=True)
+    grid = grid.merge(have, on=["sid", "method", "world_size"], how="left")
+    grid = grid[grid["_have"].isna()].drop(columns="_have")
+    fails = failed_runs(frame).groupby(["sid", "method", "world_size"])["error"].first()
+    grid = grid.merge(fails, left_on=["sid", "method", "world_size"], right_index=True, how="left")
+    reason = ("failed: " + grid["error"].str.slice(0, 80)).fillna("not run")
+    return grid.drop(columns="error").assign(reason=reason).reset_index(drop=True)
+
+
+
+def load_results(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
+    """(normalized frame, unreadable shards, number of shard files)."""
+    path = Path(results_dir)
+    files = results.shard_files(path) if path.exists() else []
+    frame, bad = results.load_report(files)
+    return normalize(frame), bad, len(files)

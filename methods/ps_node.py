@@ -1,0 +1,279 @@
+"""Node-local aggregation and host staging, the worker's way to the servers (BytePS).
+
+A node's first worker (the root) pushes and pulls for all (`Node`): the unit is reduced
+to the root before and broadcast inside the node after, each on a process group of its
+own (one per thread), so each group sees one order on every worker. A node of one
+worker does neither.
+
+Servers are CPU processes (methods/server.py). Workers on GPUs stage their
+gradients through a pinned host mirror of the flat buffer (`HostStaging`), copied on
+streams of their own; on CPU the flat buffer is its own mirror and nothing is copied.
+
+`_Pipeline` is one plan's two threads: for each unit (`_Exchange`) put to it, a poster
+reduces it inside the node, copies it to the host and posts its messages (protocol:
+methods/ps_wire.py); a lander waits for its pulls in order, copies each partition back
+and broadcasts it inside the node. Neither the gradient hooks nor the compute stream
+wait for any of it; CPU and GPU workers take the same path. `_Exchange.wait` and
+`.complete` are the unit's handle (methods/base.py `Handle`); errors are raised there,
+naming the peer.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from methods.layout import Part
+from methods.ps_wire import (
+    CTRL_TAG,
+    HEADER,
+    KEY_TAG,
+    PUSH,
+    header,
+    naming,
+    naming_server,
+    server_name,
+)
+
+
+class Node:
+    """This worker's node for local aggregation (BytePS): its first worker (the root) pushes
+    and pulls for all; the unit is reduced to the root before and broadcast after, each on
+    a group of its own. A node of one worker does neither."""
+
+    def __init__(self, rank: int, size: int, groups: tuple | None) -> None:
+        if size > 1 and not groups:
+            raise ValueError("node-local aggregation needs the node's process groups "
+                             "(harness.launch makes them; pass node_groups)")
+        self.size, self.root = size, rank - rank % size
+        self.is_root = rank == self.root
+        self.reduce_group, self.broadcast_group = groups if size > 1 else (None, None)
+        self.name = f"the workers of the node of rank {self.root}"
+
+    def reduce(self, chunk: torch.Tensor) -> None:
+        """Sum the node's `chunk`s into the root's (on a GPU: ordered on the current stream)."""
+        if self.size > 1:
+            with naming(self.name):
+                dist.reduce(chunk, dst=self.root, group=self.reduce_group, async_op=True).wait()
+
+    def broadcast(self, chunk: torch.Tensor) -> None:
+        """The root's `chunk` to every worker of the node."""
+        if self.size > 1:
+            with naming(self.name):
+                dist.broadcast(chunk, src=self.root, group=self.broadcast_group,
+                               async_op=True).wait()
+
+
+class HostStaging:
+    """Where pushes are read from and pulls land: the buffer itself on CPU, pinned memory on
+    GPU. On GPU each direction has a copy stream of its own, as BytePS has: the way out
+    (`side()`: node reduce, copy to host) and the way back (`side(back=True)`: copy to the
+    device, node broadcast). With one stream the node's collectives would chain: a root's
+    next reduce, waited on there, would hold back its broadcast of the unit before, which
+    the other workers need before their next reduce. Events are None on CPU."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.on_device = flat.device.type != "cpu"
+        self.host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True) \
+            if self.on_device else flat
+        self.out, self.back = (torch.cuda.Stream(flat.device), torch.cuda.Stream(flat.device)) \
+            if self.on_device else (None, None)
+
+    def ready(self) -> torch.cuda.Event | None:
+        """The event of the end of the work queued so far on the current stream (gradients)."""
+        return torch.cuda.current_stream(self.flat.device).record_event() \
+            if self.on_device else None
+
+    def side(self, *, back: bool = False):
+        """Run what follows on the copy stream of the way out, or back (CPU: as it comes)."""
+        return torch.cuda.stream(self.back if back else self.out) if self.on_device \
+            else nullcontext()
+
+    def to_host(self, start: int, end: int) -> torch.cuda.Event | None:
+        """Queue the copy of [start, end) to the host on the way out, after what is queued
+        there; returns the event of its end."""
+        if not self.on_device:
+            return None
+        with self.side():
+            self.host[start:end].copy_(self.flat[start:end], non_blocking=True)
+        return self.out.record_event()
+
+    def to_device(self, start: int, end: int) -> None:
+        """Queue the copy of [start, end) back to the device, on the way back."""
+        if self.on_device:
+            with self.side(back=True):
+                self.flat[start:end].copy_(self.host[start:end], non_blocking=True)
+
+    def mark(self, *, back: bool = True) -> torch.cuda.Event | None:
+        """The event of the end of everything queued so far on the way back (or out)."""
+        if not self.on_device:
+            return None
+        return (self.back if back else self.out).record_event()
+
+    def order_after(self, event: torch.cuda.Event | None) -> None:
+        """Work queued on the caller's current stream from now on runs after `event`."""
+        if event is not None:
+            torch.cuda.current_stream(self.flat.device).wait_event(event)
+
+
+def _finish(event: torch.cuda.Event | None) -> None:
+    """Block until `event` has happened (CPU: there is nothing to wait for)."""
+    if event is not None:
+        event.synchronize()
+
+
+class _Exchange:
+    """One unit's way through the plan's `_Pipeline`: reduced in the node, pushed and
+    pulled by the root, broadcast in the node.
+
+    `wait` makes the caller's current stream wait for the unit's result (CPU: the
+    average is in place); `complete` returns once it has landed. Both raise the
+    error the pipeline met, naming the peer.
+    """
+
+    __slots__ = ("parts", "staging", "ready", "reduced", "landed", "works", "headers", "done",
+                 "error", "at", "timeout_s")
+
+    def __init__(self, parts: list[Part], *, staging: HostStaging,
+                 ready: torch.cuda.Event | None, timeout_s: float) -> None:
+        self.parts, self.staging, self.ready = parts, staging, ready
+        self.reduced: torch.cuda.Event | None = None  # the node's reduce has read the unit
+        self.landed: torch.cuda.Event | None = None  # the result on the device
+        self.works: list[tuple[dist.Work, Part, bool]] = []  # (work, partition, is a pull)
+        self.headers: list[torch.Tensor] = []  # alive until sent
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.at = server_name(parts[0].server, parts[0].key)  # the peer waited on
+        self.timeout_s = timeout_s
+
+    def chunk(self) -> torch.Tensor:
+        return self.staging.flat[self.parts[0].start : self.parts[-1].end]
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.done.set()
+
+    def wait(self) -> None:
+        self._landed()
+        self.staging.order_after(self.landed)
+
+    def complete(self) -> None:
+        self._landed()
+        _finish(self.landed)
+
+    def _landed(self) -> None:
+        if not self.done.wait(self.timeout_s):
+            raise RuntimeError(f"{self.at} failed or did not answer: timed out after "
+                               f"{self.timeout_s:g} s")
+        if self.error is not None:
+            raise RuntimeError(str(self.error)) from self.error
+
+
+def _post(job: _Exchange, *, node: Node, servers: list[int]) -> None:
+    """Reduce the unit to the root; there, once it is on the host: per server its control
+    header, then per partition the push and the pull (the server reads the header first,
+    then the data it announces)."""
+    with job.staging.side():
+        job.staging.order_after(job.ready)
+        job.at = node.name
+        node.reduce(job.chunk())
+    job.reduced = job.staging.mark(back=False)
+    if not node.is_root:
+        return
+    _finish(job.staging.to_host(job.parts[0].start, job.parts[-1].end))
+    host = job.staging.host
+    for server in servers:
+        mine = [p for p in job.parts if p.server == server]
+        for i in range(0, len(mine), HEADER - 3):
+            batch = mine[i : i + HEADER - 3]
+            msg = header(PUSH, [p.key for p in batch])
+            job.headers.append(msg)
+            job.at = server_name(server, batch[0].key)
+            with naming_server(server):
+                job.works.append((dist.isend(msg, dst=server, tag=CTRL_TAG), batch[0], False))
+                for p in batch:
+                    data = host[p.start : p.end]
+                    job.works.append((dist.isend(data, dst=server, tag=KEY_TAG + p.key), p,
+                                      False))
+                    job.works.append((dist.irecv(data, src=server, tag=KEY_TAG + p.key), p,
+                                      True))
+
+
+def _land(job: _Exchange, *, node: Node) -> None:
+    """Wait for the unit's messages in posting order, copying each pull back as it lands;
+    then broadcast the result inside the node."""
+    with job.staging.side(back=True):  # nothing lands before the reduce has read the unit
+        job.staging.order_after(job.reduced)
+    for work, part, pull in job.works:
+        job.at = server_name(part.server, part.key)
+        with naming_server(part.server, part.key):
+            work.wait()
+        if pull:
+            job.staging.to_device(part.start, part.end)
+    with job.staging.side(back=True):
+        job.at = node.name
+        node.broadcast(job.chunk())
+    job.landed = job.staging.mark()
+    job.done.set()
+
+
+class _Stage:
+    """A thread that runs `step` on each job put to it, in order. After its first error
+    it fails every later job with that error instead."""
+
+    def __init__(self, step: Callable[[_Exchange], None], *, name: str) -> None:
+        self.step, self.name = step, name
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self.thread.start()
+
+    def put(self, job: _Exchange) -> None:
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    self.step(job)
+                    continue
+                except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
+                    self.error = exc
+            job.fail(self.error)
+
+    def stop(self, timeout_s: float) -> None:
+        """Finish every job put so far, then end the thread."""
+        self.jobs.put(None)
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the {self.name} thread did not finish within {timeout_s:g} s")
+
+
+class _Pipeline:
+    """One plan's two threads: the poster reduces and posts a unit and hands it to the
+    lander, which waits for its messages in order and broadcasts it."""
+
+    def __init__(self, servers: list[int], node: Node) -> None:
+        self.lander = _Stage(functools.partial(_land, node=node), name="ps-lander")
+        self.poster = _Stage(functools.partial(_post_and_hand, node=node, servers=servers,
+                                               lander=self.lander), name="ps-poster")
+
+    def put(self, job: _Exchange) -> None:
+        self.poster.put(job)
+
+    def stop(self, timeout_s: float) -> None:
+        """Post and land everything queued (nothing is left behind), then end both threads."""
+        self.poster.stop(timeout_s)
+        self.lander.stop(timeout_s)
+
+
+def _post_and_hand(job: _Exchange, *, node: Node, servers: list[int], lander: _Stage) -> None:
+    _post(job, node=node, servers=servers)
+    lander.put(job)

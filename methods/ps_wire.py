@@ -1,0 +1,54 @@
+"""The parameter-server wire protocol, shared by workers (methods/ps.py, methods/ps_node.py)
+and servers (methods/server.py): tags, message kinds, the control header, dtypes, and how
+a failed exchange names its peer.
+
+Messages are matched by (peer, tag), never by arrival order:
+
+- control stream, tag CTRL_TAG, worker -> server, fixed-size int64 headers:
+  OPEN (a plan starts: its keys and sizes follow on LAYOUT_TAG), PUSH (these
+  keys' data follow, each on tag KEY_TAG + key), CLOSE (the plan ends), STOP
+  (the worker is done). Every worker sends OPEN, CLOSE and STOP; only roots push.
+- data, tag KEY_TAG + key: the root's partition; the server answers on the same tag
+  with the sum over the nodes.
+
+A header is HEADER int64 words: [op, count, dtype, values...], `dtype` an index into
+DTYPES. OPEN's values are [keys, node size, server_schedule]; PUSH's are the keys
+whose data follow (at most HEADER - 3 per header).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+CTRL_TAG, LAYOUT_TAG, KEY_TAG = 1, 2, 16
+OPEN, PUSH, CLOSE, STOP = 1, 2, 3, 4
+HEADER = 64  # int64 words: [op, count, dtype, values...]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def header(op: int, values: list[int] = (), dtype: int = 0) -> torch.Tensor:
+    msg = torch.zeros(HEADER, dtype=torch.int64)
+    msg[:3] = torch.tensor([op, len(values), dtype])
+    msg[3 : 3 + len(values)] = torch.tensor(list(values), dtype=torch.int64)
+    return msg
+
+
+def server_name(server: int, key: int | None = None) -> str:
+    return f"parameter server rank {server}" + (f" (key {key})" if key is not None else "")
+
+
+@contextmanager
+def naming(peer: str) -> Iterator[None]:
+    """Re-raise a communication error with the peer it involves."""
+    try:
+        yield
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [repr(exc)])[0]
+        raise RuntimeError(f"{peer} failed or did not answer: {first}") from exc
+
+
+def naming_server(server: int, key: int | None = None):
+    return naming(server_name(server, key))
