@@ -37,21 +37,16 @@ import difflib
 import json
 import statistics
 import sys
-import uuid
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig
 
 from harness import config
 from harness import run as harness_run
 from harness.config import checks
 from harness.config.schema import ENGINES
 from harness.launch.launcher import launch
-from harness.launch.rank import Context
 from harness.measure import results
-from harness.measure.bench import device_name, identity, plain_training
-from harness.measure.timing import Clock, timed_window
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
@@ -145,46 +140,10 @@ def _run_overrides(args: argparse.Namespace, out: Path) -> list[str]:
             *(["run.force=true"] if args.force else [])]
 
 
-def worker(cfg: DictConfig, ctx: Context) -> None:
-    """The plain loop's process: forward, backward, optimizer step, zero_grad; no method.
-
-    The launcher starts it exactly as it starts a 1-worker harness run (a fresh
-    process, the same thread count, the same rendezvous), and it is timed by the
-    harness's own window (barrier, `timed_iters` iterations, device sync), so the
-    ratio to it measures only what the harness and the method add.
-    """
-    model, optimizer, batch = plain_training(cfg.model, seed=cfg.run.seed, device=ctx.device,
-                                             rank=ctx.rank)
-
-    def step(_clock: Clock | None = None) -> None:
-        model(batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    for _ in range(cfg.run.warmup_iters):
-        step()
-    window = timed_window(step, iters=cfg.run.timed_iters, drain=lambda: None,
-                          device=ctx.device)
-    record_plain(cfg, window=window.seconds, iter_times=window.iter_times, ctx=ctx)
-
-
-def record_plain(cfg: DictConfig, *, window: float, iter_times: list[float],
-                 ctx: Context) -> None:
-    """Keep a plain-loop measurement as a result row (method 'plain', world size 1)."""
-    run_id = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{cfg.model.name}-plain-{uuid.uuid4().hex[:6]}"
-    row = {**identity(cfg, run_id=run_id, repeat=0), "method": "plain",
-           "servers": 0, "world_size": 1, "workers_per_node": 1,
-           "throughput": cfg.model.local_batch_size * cfg.run.timed_iters / window,
-           "timed_s": window, "iter_times_s": iter_times, "rank_iter_times_s": [iter_times],
-           "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
-           "plan_json": json.dumps({"method": "plain"})}
-    results.write_shard(results.shard_path(cfg.results_dir, run_id, 0), [row])
-
-
 def run_plain(model_name: str, *, out: Path, args: argparse.Namespace) -> int:
     """The plain loop of `model_name` in a process of its own; its exit code."""
     cfg = config.load([f"model={model_name}", *_run_overrides(args, out)])
-    code, _ = launch(cfg, entry="harness.methodbench")
+    code, _ = launch(cfg, entry="harness.measure.plain")
     return code
 
 

@@ -62,7 +62,7 @@ class Done:
 
 def poll_until(done: Callable[[], bool], *, timeout_s: float, what: str) -> None:
     """Return once `done()` is true, polling it with a sleep a little longer each time;
-    a TimeoutError ("<what> timed out ...", a peer's symptom to harness.failure) after
+    a TimeoutError ("<what> timed out ...", a peer's symptom to harness.launch.failure) after
     `timeout_s` seconds. For waits that must never block in a library (a dead peer would
     hang them)."""
     deadline, pause = time.monotonic() + timeout_s, 1e-5

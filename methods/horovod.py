@@ -4,7 +4,7 @@ The planner and scheduler decide what a unit is and when it is submitted; Horovo
 background thread decides when it runs. Every cycle it agrees with the other ranks
 on which named tensors all of them have submitted, packs those that fit into its
 fusion buffer and all-reduces them (Gloo on CPU tensors, NCCL on GPU ones), with the
-cycle time and fusion threshold the harness gave hvd.init (harness/horovod.py). Units
+cycle time and fusion threshold the harness gave hvd.init (harness/launch/horovod.py). Units
 are matched across ranks by name, not by issue order, so ranks may submit them in any
 order (`ordered = False`), as WFBP's gradient hooks did on Horovod.
 
@@ -98,7 +98,8 @@ class HorovodTransport:
         self.rank = dist.get_rank(group)
         if not self.hvd.is_initialized():
             raise RuntimeError("Horovod is not initialized in this process; the harness starts "
-                               "it in every worker of an engine=horovod run (harness/horovod.py)")
+                               "it in every worker of an engine=horovod run "
+                               "(harness/launch/horovod.py)")
         if (self.hvd.rank(), self.hvd.size()) != (self.rank, self.size):
             raise RuntimeError(f"Horovod's rank {self.hvd.rank()} of {self.hvd.size()} is not "
                                f"this worker's rank {self.rank} of {self.size}; start Horovod "

@@ -50,7 +50,7 @@ class Node:
     def __init__(self, rank: int, size: int, groups: tuple | None) -> None:
         if size > 1 and not groups:
             raise ValueError("node-local aggregation needs the node's process groups "
-                             "(harness.launch makes them; pass node_groups)")
+                             "(harness.launch.rank makes them; pass node_groups)")
         self.size, self.root = size, rank - rank % size
         self.is_root = rank == self.root
         self.reduce_group, self.broadcast_group = groups if size > 1 else (None, None)

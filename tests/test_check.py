@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from harness import check, config
 from harness.config import engine as horovod
+from harness.measure import preflight as rank_side
 from tests.conftest import run_module
 
 METHODS = config.choices("method")
@@ -101,14 +102,14 @@ def test_table_and_group_lines() -> None:
             "interfaces": "lo,eth0", "net_env": "-", "versions": {"torch": "2.x"}}
     infos = [{**info, "rank": r} for r in range(3)]
     infos[2] = {**infos[2], "role": "server", "versions": {"torch": "2.y"}}
-    lines = check.environment_lines(infos)
+    lines = rank_side.environment_lines(infos)
     assert "warning: the ranks run different versions" in lines
     assert "torch 2.x  (ranks 0-1)" in lines and "torch 2.y  (ranks 2)" in lines
-    assert check.spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert rank_side.spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     gathered = [{"default": ("gloo", ""), "workers": ("gloo", "")},
                 {"default": ("gloo", ""), "workers": ("gloo", "rank 1: the sum is 2, expected 3")},
                 {"default": ("gloo", "")}]
-    assert check.group_lines(gathered) == [
+    assert rank_side.group_lines(gathered) == [
         "group default (gloo): ok", "group workers (gloo): FAILED rank 1: the sum is 2, expected 3"]
 
 

@@ -44,10 +44,11 @@ import torch.multiprocessing as mp
 import yaml
 
 import methods
-from harness import config, verify
+from harness import config
 from harness.launch.rank import Context, node_groups
+from harness.measure import verify
 from harness.measure.bench import build, model_of
-from harness.verify import flat_params, reference, train
+from harness.measure.verify import flat_params, reference, train
 from methods.costmodel import Cost, least_squares
 from methods.layout import assign, cut
 from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
@@ -282,7 +283,7 @@ def _weak_parts(model: torch.nn.Module, method: methods.Method,
 
 
 def _train_collector_off(cfg, ctx: Context) -> tuple[torch.Tensor, float, dict, list[str]]:
-    """harness.verify.train with the garbage collector off; also the names of what it built
+    """harness.measure.verify.train with the garbage collector off; also the names of what it built
     that is still alive once it returned (after method.close(): nothing may be)."""
     refs: dict[str, weakref.ref] = {}
 
@@ -299,7 +300,7 @@ def _train_collector_off(cfg, ctx: Context) -> tuple[torch.Tensor, float, dict, 
         alive = sorted(name for name, ref in refs.items() if ref() is not None)
     finally:
         gc.enable()
-    return mine, spread, plan, alive if refs else ["(harness.verify.train built nothing)"]
+    return mine, spread, plan, alive if refs else ["(harness.measure.verify.train built nothing)"]
 
 
 def _first_uses() -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import methods
 from harness import config
-from harness.verify import train
+from harness.measure.verify import train
 from tests.test_methods import BERT, _context, _free_port, _spawn
 
 TIMEOUT_S = 20

@@ -17,8 +17,8 @@ import methods
 from harness import config
 from harness.launch.rank import node_groups
 from harness.measure import results
+from harness.measure.verify import train
 from harness.predict import plans as plan
-from harness.verify import train
 from methods import layout
 from methods.layout import PIECE_BITS, djb2
 from methods.plan import Partition, Unit, fuse_pieces, slices

@@ -6,7 +6,7 @@ servers. Locally the harness starts every rank itself as
 under torchrun or srun the process already is one rank and runs the entry
 directly. An entry is a module with `worker(cfg, ctx)`, and optionally
 `record_failure(cfg, run_id=..., repeat=..., error=...)` to keep a failed run as
-data (harness.failure decides which failure, and which repeat, gets the row).
+data (harness.launch.failure decides which failure, and which repeat, gets the row).
 
 The local launcher watches its ranks: the first failure, a watchdog (no rank
 made progress for run.timeout_s plus a grace period) and SIGINT / SIGTERM to the

@@ -1,0 +1,93 @@
+"""The rank side of `python -m harness.microbench` (harness/microbench.py says what it
+measures): timed point-to-point transfers and all-reduces per message size, the fitted
+alpha + beta * bytes, the table and the parquet file rank 0 writes."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from harness.launch.rank import Context
+from harness.measure import results
+from harness.measure.timing import device_sync
+from methods.costmodel import least_squares, time_allreduce
+
+FOLDER = results.OTHER_DATA
+
+
+def sizes(cfg: DictConfig) -> list[int]:
+    """Message sizes in bytes: min_bytes, 4 x min_bytes, ... up to max_bytes."""
+    out, size = [], cfg.microbench.min_bytes
+    while size <= cfg.microbench.max_bytes:
+        out.append(size)
+        size *= 4
+    return out
+
+
+def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device) -> float:
+    """Median one-way seconds of `nbytes` between ranks 0 and 1 (ping-pong / 2), on the
+    workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do)."""
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    samples = []
+    for i in range(repeats + 1):
+        device_sync(device)
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, dst=1)
+            dist.recv(buf, src=1)
+        elif rank == 1:
+            dist.recv(buf, src=0)
+            dist.send(buf, dst=0)
+        device_sync(device)
+        if i:  # the first round trip is a warm-up
+            samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples) if samples else 0.0
+
+
+def worker(cfg: DictConfig, ctx: Context) -> None:
+    """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
+    if not ctx.is_worker:  # a PS method's servers: nothing of theirs is measured
+        return
+    rows = []
+    for nbytes in sizes(cfg):
+        ctx.beat(f"timing {nbytes} bytes")
+        repeats = cfg.microbench.repeats
+        if ctx.num_workers > 1:
+            rows.append(("p2p", nbytes, time_p2p(nbytes, rank=ctx.rank, repeats=repeats,
+                                                 device=ctx.device)))
+        rows.append(("allreduce", nbytes, time_allreduce(
+            ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
+    if ctx.rank == 0:
+        frame = fitted(pd.DataFrame(rows, columns=["kind", "bytes", "seconds"]))
+        frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
+                             network=cfg.network.name, world_size=ctx.num_workers)
+        path = Path(cfg.results_dir) / FOLDER / f"{ctx.run_id}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_parquet(path)
+        print(table(frame), f"\nwritten to {path}", sep="\n", flush=True)
+
+
+def fitted(frame: pd.DataFrame) -> pd.DataFrame:
+    """Add each kind's alpha (s) and beta (s/byte) fitted over its sizes."""
+    for _, part in frame.groupby("kind"):
+        cost = least_squares(part.bytes.astype(float).tolist(), part.seconds.tolist())
+        frame.loc[part.index, ["alpha_s", "beta_s_per_byte"]] = (cost.alpha, cost.beta)
+    return frame
+
+
+def table(frame: pd.DataFrame) -> str:
+    lines = [f"{'kind':>10} {'bytes':>12} {'seconds':>12} {'Gbit/s':>8}"]
+    for r in frame.itertuples():
+        lines.append(f"{r.kind:>10} {r.bytes:>12} {r.seconds:>12.6f} "
+                     f"{r.bytes * 8 / r.seconds / 1e9 if r.seconds else 0:>8.3f}")
+    for kind, part in frame.groupby("kind"):
+        a, b = part.alpha_s.iloc[0], part.beta_s_per_byte.iloc[0]
+        lines.append(f"{kind}: alpha={a * 1e6:.1f} us, beta={b * 1e9:.4f} ns/byte "
+                     f"({8 / b / 1e9 if b else float('inf'):.3f} Gbit/s)")
+    return "\n".join(lines)
