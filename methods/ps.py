@@ -12,8 +12,9 @@ so the sum over workers is the average. Three switches, defaults as in the study
   no server at all: the partitions are all-reduced over the node (BytePS on one
   machine). Off: every worker pushes its own gradients.
 - `assignment`: `hash` (BytePS's djb2 of the key) or `balanced` (by bytes).
-- `server_schedule` (BYTEPS_SERVER_ENABLE_SCHEDULE): each server sums the key with
-  the most pushes waiting first (methods/server.py); workers stay FIFO.
+- `server_schedule` (BYTEPS_SERVER_ENABLE_SCHEDULE): each server sums first the
+  key with the fewest pushes counted since it last completed (BytePS's queue,
+  methods/server.py); workers stay FIFO.
 
 The messages and their tags are methods/ps_wire.py; the node's reduce and broadcast,
 the host staging and the threads that post and land each unit are methods/ps_node.py.

@@ -8,8 +8,11 @@ key has one push from every node (the pushing roots), sends the sum back to each
 them. Workers pre-divide their gradients, so the sum is the average.
 
 The engine's queue is FIFO, or with `server_schedule` (BytePS's
-BYTEPS_SERVER_ENABLE_SCHEDULE) serves first the key with the most pushes waiting,
-FIFO on ties (`EngineQueue`): it favours keys about to finish.
+BYTEPS_SERVER_ENABLE_SCHEDULE) BytePS's priority queue (server/queue.h, ComparePriority):
+the push whose key has the FEWEST pushes counted so far goes first, the oldest on ties;
+a key's count grows with each push, is not decremented when a push is served and is
+reset when the key completes (`EngineQueue`). So the order stays close to FIFO; it is
+neither layer priority nor a favour to keys about to finish.
 
 A server serves many plans in a row (the benchmark builds a fresh method per
 repeat; MG-WFBP re-plans after profiling): the k-th OPEN of every worker
@@ -20,6 +23,7 @@ belongs to plan k, and a plan's buffers are freed when all workers closed it.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,19 +37,27 @@ POLL_S = 0.2
 
 
 class EngineQueue:
-    """The server engine's queue of pushes, each (key, item): FIFO, or with `schedule` the
-    oldest push of the key with the most pushes waiting."""
+    """The server engine's queue of pushes, each (key, item): FIFO, or for pushes put with
+    `schedule` BytePS's rule: fewest counted pushes of the key first, then the oldest.
+    Counts grow on `put`, stay on `get` and go back to 0 on `completed(key)`."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, Any, bool]] = []  # (key, item, schedule) in arrival order
-        self.waiting: collections.Counter = collections.Counter()
+        self.items: list[tuple[int, int, Any, bool]] = []  # (id, key, item, schedule)
+        self.counted: collections.Counter = collections.Counter()  # pushes per key so far
+        self.ids = itertools.count()  # BytePS's message id: arrival order
         self.cond = threading.Condition()
 
     def put(self, key: int, item: Any, *, schedule: bool = False) -> None:
         with self.cond:
-            self.items.append((key, item, schedule))
-            self.waiting[key] += 1
+            self.items.append((next(self.ids), key, item, schedule))
+            if schedule:
+                self.counted[key] += 1
             self.cond.notify()
+
+    def completed(self, key: int) -> None:
+        """Every node's push of `key` is summed: its count starts again (ClearCounter)."""
+        with self.cond:
+            self.counted.pop(key, None)
 
     def get(self, timeout_s: float | None = None) -> Any:
         """The next push to sum (None after `timeout_s` with nothing queued)."""
@@ -53,11 +65,10 @@ class EngineQueue:
             if not self.cond.wait_for(lambda: self.items, timeout_s):
                 return None
             i = 0
-            if self.items[0][2]:  # scheduled: most waiting first; max() keeps the oldest on ties
-                i = max(range(len(self.items)), key=lambda j: (self.waiting[self.items[j][0]], -j))
-            key, item, _ = self.items.pop(i)
-            self.waiting[key] -= 1
-            return item
+            if self.items[0][3]:  # scheduled: fewest counted first, the oldest id on ties
+                i = min(range(len(self.items)),
+                        key=lambda j: (self.counted[self.items[j][1]], self.items[j][0]))
+            return self.items.pop(i)[2]
 
 
 class _Slot:
@@ -155,6 +166,7 @@ class Server:
         if slot.summed < len(plan.roots):
             return
         slot.summed = 0
+        self.queue.completed(slot.key)
         slot.sends = [dist.isend(slot.total, dst=root, tag=KEY_TAG + slot.key)
                       for root in plan.roots]
         if slot.key == plan.first_key and self.on_round is not None:

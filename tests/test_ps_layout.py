@@ -130,14 +130,22 @@ def test_horovod_fusion_packs_consecutive_pieces_up_to_the_threshold() -> None:
 
 
 @pytest.mark.parametrize("schedule, order", [
-    (False, ["a1", "b1", "b2", "c1", "b3"]),  # FIFO
-    (True, ["b1", "b2", "a1", "c1", "b3"]),   # most waiting first, then the oldest
+    (False, ["a1", "b1", "b2", "c1", "b3", "a2", "c2"]),  # FIFO
+    # BytePS's queue: fewest counted pushes of the key first, the oldest on ties; counts are
+    # not decremented when served and start again when the key completes
+    (True, ["a1", "c1", "b1", "a2", "b2", "b3", "c2"]),
 ])
-def test_server_engine_serves_the_fullest_key_first_when_scheduling(schedule, order) -> None:
+def test_server_engine_serves_the_key_with_fewest_counted_pushes_first(schedule, order) -> None:
     queue = EngineQueue()
     for key, item in ((1, "a1"), (2, "b1"), (2, "b2"), (3, "c1"), (2, "b3")):
-        queue.put(key, item, schedule=schedule)
-    assert [queue.get(0) for _ in order] == order
+        queue.put(key, item, schedule=schedule)  # counts: key 1: 1, key 2: 3, key 3: 1
+    got = [queue.get(0) for _ in range(3)]      # a1 (1, oldest), c1 (1), b1 (3, oldest)
+    queue.put(1, "a2", schedule=schedule)        # key 1 counts 2: still before key 2's 3
+    got.append(queue.get(0))
+    queue.completed(2)                           # key 2's count starts again at 0
+    queue.put(3, "c2", schedule=schedule)        # key 3 counts 2
+    got += [queue.get(0) for _ in range(3)]      # b2, b3 (0) before c2 (2)
+    assert got == order
     assert queue.get(0.01) is None
 
 
