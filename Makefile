@@ -36,7 +36,7 @@ test: $(HOROVOD_STAMP)
 faults: $(STAMP)  # every fault of tests/test_faults.py with every kind of method (~15 min)
 	$(PY) -m pytest -m faults tests/test_faults.py $(PYTEST_ARGS)
 
-soak: $(STAMP)  # 200 local, 56 emulated and 50 verify runs in a row, all must succeed (~100 min)
+soak: $(STAMP)  # whole rounds of every method: ~200 local, ~50 emulated, 50 verify runs (~100 min)
 	$(PY) -m tests.soak --local 200 --emulated 50 --verify 50
 
 lint: $(STAMP)

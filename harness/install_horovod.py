@@ -9,11 +9,17 @@ its global one does (`fix_gloo_iface`), and builds it with pip against the torch
 is there (no build isolation, which would build against a fresh torch from the index):
 Gloo for CPU tensors and the control plane, no MPI, TensorFlow or MXNet. With
 HOROVOD_GPU_OPERATIONS=NCCL in the environment it builds NCCL operations for GPU
-tensors too. A torch built for CUDA makes Horovod's CMake look for a CUDA toolkit;
-CUDA_HOME, CUDAToolkit_ROOT and CUDACXX then name the one found (CUDA_HOME, CUDA_PATH,
+tensors too, against HOROVOD_NCCL_HOME (or _INCLUDE / _LIB) where set, else against the
+NCCL pip package torch came with (nvidia-nccl-*): it has only libnccl.so.2, and Horovod's
+CMake looks for libnccl_static.a or libnccl.so, so the build gets a folder of links to
+it (<venv>/horovod-build/nccl) as HOROVOD_NCCL_HOME and HOROVOD_NCCL_LINK=SHARED. A torch
+built for CUDA makes Horovod's CMake look for a CUDA toolkit; CUDA_HOME,
+CUDAToolkit_ROOT and CUDACXX then name the one found (CUDA_HOME, CUDA_PATH,
 /usr/local/cuda). The sdist and its unpacked, patched copy stay in
 <venv>/horovod-build/, outside the repository. Nothing is built when this Horovod is
-already built against this torch (`--force` rebuilds).
+already built against this torch and with the NCCL asked for (none, or its version
+code: a CPU build is rebuilt once NCCL is asked for, and the other way round);
+`--force` rebuilds.
 """
 
 from __future__ import annotations
@@ -72,23 +78,99 @@ def cuda_toolkit() -> Path | None:
     return None
 
 
-def _record(torch_version: str) -> dict[str, str]:
-    return {"horovod": VERSION, "torch": torch_version, "patches": PATCHES}
+def _record(torch_version: str, nccl: int) -> dict[str, str | int]:
+    """What a build was, kept beside it: `nccl` is its NCCL's version code, 0 for none."""
+    return {"horovod": VERSION, "torch": torch_version, "patches": PATCHES, "nccl": nccl}
 
 
-def installed_for(torch_version: str, work: Path) -> bool:
-    """Whether this Horovod is installed, loads, and was built here against `torch_version`
-    with this installer's patches (its record in `work`)."""
-    probe = ("import json, os, horovod, horovod.torch.mpi_ops as m; "
-             "print(json.dumps([horovod.__version__, m.gloo_built(), json.load(open("
-             "os.path.join(os.path.dirname(horovod.__file__), 'metadata.json'))).get('pytorch')]))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+def probe() -> list | None:
+    """[version, Gloo built, the torch it was built against, NCCL version code or 0] of the
+    Horovod this venv imports (in a fresh interpreter), or None where it does not load."""
+    code = ("import json, os, horovod, horovod.torch.mpi_ops as m; "
+            "print(json.dumps([horovod.__version__, m.gloo_built(), json.load(open("
+            "os.path.join(os.path.dirname(horovod.__file__), 'metadata.json'))).get('pytorch'), "
+            "m.nccl_built()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
-        loads = json.loads(out.stdout.strip().splitlines()[-1]) == [VERSION, True, torch_version]
-        return loads and json.loads((work / "installed.json").read_text()) == _record(
-            torch_version)
-    except (ValueError, IndexError, OSError):
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def installed_for(torch_version: str, work: Path, *, nccl: int = 0) -> bool:
+    """Whether this Horovod is installed, loads, and was built here against `torch_version`
+    with this installer's patches and NCCL version code `nccl` (0: without NCCL), by the
+    loaded library and by its record in `work`."""
+    if probe() != [VERSION, True, torch_version, nccl]:
         return False
+    try:
+        recorded = json.loads((work / "installed.json").read_text())
+    except (ValueError, OSError):
+        return False
+    # records from before NCCL was recorded: the library's own answer (above) decides
+    return isinstance(recorded, dict) and {"nccl": nccl, **recorded} == _record(torch_version,
+                                                                                 nccl)
+
+
+def nccl_asked(env: dict[str, str]) -> bool:
+    """Whether the build is to have NCCL operations (HOROVOD_GPU_OPERATIONS or
+    HOROVOD_GPU_ALLREDUCE is NCCL)."""
+    return "NCCL" in (env.get("HOROVOD_GPU_OPERATIONS", "").upper(),
+                      env.get("HOROVOD_GPU_ALLREDUCE", "").upper())
+
+
+def nccl_version(header: Path) -> int:
+    """NCCL_VERSION_CODE of an nccl.h (what Horovod's nccl_built() reports)."""
+    text = header.read_text(errors="replace")
+    found = re.search(r"#define\s+NCCL_VERSION_CODE\s+(\d+)", text)
+    if found:
+        return int(found.group(1))
+    major, minor, patch = (int(re.search(rf"#define\s+NCCL_{k}\s+(\d+)", text).group(1))
+                           for k in ("MAJOR", "MINOR", "PATCH"))
+    return major * 1000 + minor * 100 + patch if (major, minor) <= (2, 8) else \
+        major * 10000 + minor * 100 + patch
+
+
+def pip_nccl(paths: list[str] | None = None) -> Path | None:
+    """The folder of the NCCL pip package (nvidia/nccl: include/nccl.h, lib/libnccl.so.2)
+    on `paths` (default sys.path), or None."""
+    for base in sys.path if paths is None else paths:
+        folder = Path(base) / "nvidia" / "nccl"
+        if (folder / "include" / "nccl.h").is_file() and list((folder / "lib").glob("libnccl.so*")):
+            return folder
+    return None
+
+
+def nccl_build(env: dict[str, str], work: Path) -> tuple[dict[str, str], int]:
+    """The environment a build needs to find NCCL, and its version code: ({}, 0) where no
+    NCCL is asked; ({}, version) where HOROVOD_NCCL_HOME or _INCLUDE names one; else a
+    folder of links to the pip package's (`work`/nccl: include, lib/libnccl.so), linked
+    shared."""
+    if not nccl_asked(env):
+        return {}, 0
+    named = env.get("HOROVOD_NCCL_INCLUDE") or (
+        str(Path(env["HOROVOD_NCCL_HOME"]) / "include") if env.get("HOROVOD_NCCL_HOME") else "")
+    if named:
+        header = Path(named) / "nccl.h"
+        if not header.is_file():
+            raise InstallError(f"HOROVOD_GPU_OPERATIONS=NCCL but {header} does not exist; point "
+                               "HOROVOD_NCCL_HOME (or HOROVOD_NCCL_INCLUDE) at an NCCL")
+        return {}, nccl_version(header)
+    package = pip_nccl()
+    if package is None:
+        raise InstallError("HOROVOD_GPU_OPERATIONS=NCCL but no NCCL was found: torch's pip "
+                           "package nvidia-nccl-* is not installed; set HOROVOD_NCCL_HOME to an "
+                           "NCCL (with include/nccl.h and lib/libnccl.so)")
+    home = work / "nccl"
+    (home / "lib").mkdir(parents=True, exist_ok=True)
+    library = sorted((package / "lib").glob("libnccl.so*"))[-1]
+    for link, target in ((home / "include", package / "include"),
+                         (home / "lib" / "libnccl.so", library)):
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return ({"HOROVOD_NCCL_HOME": str(home), "HOROVOD_NCCL_LINK": "SHARED"},
+            nccl_version(package / "include" / "nccl.h"))
 
 
 def fetch(work: Path) -> Path:
@@ -138,10 +220,11 @@ def fix_gloo_iface(source: Path) -> None:
     path.write_text(text[:at] + GLOO_FIXED + text[at + len(GLOO_IFACE):])
 
 
-def build_env(torch_cuda: str | None) -> dict[str, str]:
+def build_env(torch_cuda: str | None, nccl: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of the build: Horovod's switches, the CUDA toolkit of a CUDA torch,
-    and as many compile jobs as this machine has cores (Horovod's default is 8)."""
-    env = {**os.environ, **BUILD_ENV}
+    where NCCL is (`nccl_build`), and as many compile jobs as this machine has cores
+    (Horovod's default is 8)."""
+    env = {**os.environ, **BUILD_ENV, **(nccl or {})}
     env.setdefault("MAKEFLAGS", f"-j{len(os.sched_getaffinity(0))}")
     if torch_cuda:
         toolkit = cuda_toolkit()
@@ -158,30 +241,34 @@ def install(*, force: bool) -> None:
     import torch
 
     work = Path(sys.prefix) / "horovod-build"
-    if not force and installed_for(torch.__version__, work):
-        print(f"Horovod {VERSION} is already built against torch {torch.__version__}; "
-              "nothing to do (--force rebuilds)")
+    work.mkdir(parents=True, exist_ok=True)
+    nccl_env, nccl = nccl_build(dict(os.environ), work)
+    if not force and installed_for(torch.__version__, work, nccl=nccl):
+        print(f"Horovod {VERSION} is already built against torch {torch.__version__} "
+              f"({f'NCCL {nccl}' if nccl else 'no NCCL'}); nothing to do (--force rebuilds)")
         return
     started = time.monotonic()
-    work.mkdir(parents=True, exist_ok=True)
     (work / "installed.json").unlink(missing_ok=True)
     source = fetch(work)
     standard = cxx_standard(Path(torch.__file__).parent / "include")
     raise_cxx_standard(source, standard)
     fix_gloo_iface(source)
-    env = build_env(torch.version.cuda)
+    env = build_env(torch.version.cuda, nccl_env)
     extras = [f"CUDA toolkit {env['CUDA_HOME']}" if torch.version.cuda else "",
               f"GPU operations {env.get('HOROVOD_GPU_OPERATIONS', '')}"
-              if env.get("HOROVOD_GPU_OPERATIONS") else ""]
+              if env.get("HOROVOD_GPU_OPERATIONS") else "",
+              f"NCCL {nccl} ({env.get('HOROVOD_NCCL_HOME') or 'HOROVOD_NCCL_INCLUDE'})"
+              if nccl else ""]
     print(f"building Horovod {VERSION} against torch {torch.__version__} with "
           f"{', '.join([f'C++{standard}', *filter(None, extras)])} (a few minutes)", flush=True)
     _pip("install", "--quiet", *RUNTIME_DEPS)
     _pip("install", "--no-build-isolation", "--no-cache-dir", "--force-reinstall", "--no-deps",
          str(source), env=env)
-    (work / "installed.json").write_text(json.dumps(_record(torch.__version__)))
-    if not installed_for(torch.__version__, work):
-        raise InstallError("Horovod was built but does not load with this torch; run "
-                           "`python -c 'import horovod.torch.mpi_ops'` to see why")
+    (work / "installed.json").write_text(json.dumps(_record(torch.__version__, nccl)))
+    if not installed_for(torch.__version__, work, nccl=nccl):
+        raise InstallError(f"Horovod was built but does not load with this torch (or not with "
+                           f"NCCL {nccl}); run `python -c 'import horovod.torch.mpi_ops as m; "
+                           "print(m.nccl_built())'` to see why")
     print(f"Horovod {VERSION} built and installed in {time.monotonic() - started:.0f} s")
 
 

@@ -3,6 +3,7 @@
     python -m harness.methodbench                      # resnet50_small and bert_tiny
     python -m harness.methodbench --rounds 1 --models bert_tiny --timed-iters 10
     python -m harness.methodbench --engines native     # without the Horovod twins
+    python -m harness.methodbench --simulate           # the simulator's wall time instead
 
 Runs every method of conf/method/ on each model at each worker count through
 the normal `harness.run` path (one parquet shard per run), each all-reduce method
@@ -27,6 +28,12 @@ round's value is printed and saved too.
 
 Results land in `<results-dir>/<timestamp>/round<k>/`; the ratios are printed and
 saved as `<results-dir>/<timestamp>/ratios.json`.
+
+`--simulate` times the simulator instead, as a user meets it (a whole `python -m
+harness.simulate` process, warm cache: one untimed run of each first): the study's
+sweep calibrated and validated on its published numbers (`--reference`, when that
+file exists), and the what-if sweep, interleaved over `--rounds`; it prints each one's
+median and range against its target and saves them as `simulate.json`.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import datetime as dt
 import difflib
 import json
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -44,7 +53,7 @@ import pandas as pd
 from harness import config
 from harness import run as harness_run
 from harness.config import checks
-from harness.config.schema import ENGINES
+from harness.config.schema import ENGINES, REPO
 from harness.launch.launcher import launch
 from harness.measure import results
 
@@ -52,6 +61,10 @@ ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
 # what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
 # scheduling over per-tensor all-reduce
+REFERENCE = REPO.parent / "shared" / "reference" / "shi2020_fig4_ib100.csv"
+# the simulator's sweeps timed by --simulate, with their targets in seconds (issue 25)
+SIMULATIONS = {"paper": (["experiment=paper", "network=ib100_rdma"], 2.0),
+               "whatif": (["experiment=whatif"], 30.0)}
 PAIRS = (("wfbp_ps", "bsp_ps"), ("bytescheduler_ps", "bsp_ps"), ("priority_ps", "bsp_ps"),
          ("bytescheduler_a2a", "wfbp_a2a"))
 
@@ -75,6 +88,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--results-dir", default="results/methodbench")
     parser.add_argument("--force", action="store_true",
                         help="lift the machine-fit limits (run.force=true of every run)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="time the simulator's paper and what-if sweeps instead")
+    parser.add_argument("--reference", default=str(REFERENCE),
+                        help="published throughputs to calibrate and validate the paper "
+                             "sweep on (--simulate; skipped when the file is absent)")
     return parser.parse_args(argv)
 
 
@@ -205,14 +223,58 @@ def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[
     return table
 
 
+def simulations(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], float]]:
+    """The simulator's command lines timed by --simulate, with their targets in seconds."""
+    sims = {name: ([*overrides, f"results_dir={out / name}"], target)
+            for name, (overrides, target) in SIMULATIONS.items()}
+    if Path(args.reference).is_file():
+        sims["paper"][0].extend([f"simulate.reference={args.reference}",
+                                 f"simulate.calibrate={args.reference}"])
+    return sims
+
+
+def time_simulations(args: argparse.Namespace, out: Path) -> int:
+    """Wall time of each simulation as a whole process, warm cache, interleaved rounds."""
+    sims = simulations(args, out)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, list[float]] = {name: [] for name in sims}
+    for rnd in range(args.rounds + 1):  # round 0 warms the caches and is not counted
+        for name, (overrides, _) in sims.items():
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "harness.simulate", *overrides],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                print(f"{name}: python -m harness.simulate {' '.join(overrides)} failed:\n"
+                      f"{done.stderr.strip()}", file=sys.stderr)
+                return 1
+            if rnd:
+                times[name].append(time.perf_counter() - start)
+                print(f"== round {rnd}/{args.rounds} {name}: {times[name][-1]:.2f} s", flush=True)
+    table = {name: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v,
+                    "target": sims[name][1], "command": sims[name][0]}
+             for name, v in times.items()}
+    for name, row in table.items():
+        verdict = "meets" if row["median"] < row["target"] else "MISSES"
+        print(f"{name:8s} median {row['median']:.2f} s ({row['min']:.2f}-{row['max']:.2f}) "
+              f"{verdict} its target of {row['target']:g} s")
+    (out / "simulate.json").write_text(json.dumps(table, indent=2))
+    return 0 if all(r["median"] < r["target"] for r in table.values()) else 1
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
-        model_names, runs = check_args(args)
+        if args.simulate:
+            checks.output_dir("--results-dir", args.results_dir)
+        else:
+            model_names, runs = check_args(args)
     except config.ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.results_dir) / f"{dt.datetime.now():%Y%m%d-%H%M%S}"
+    stamp = f"{dt.datetime.now():%Y%m%d-%H%M%S}"
+    if args.simulate:
+        return time_simulations(args, Path(args.results_dir) / f"simulate-{stamp}")
+    out = Path(args.results_dir) / stamp
     failed = 0
     for rnd in range(args.rounds):
         folder = out / f"round{rnd + 1}"

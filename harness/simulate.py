@@ -2,9 +2,10 @@
 
 A discrete-event model of training iterations, per configuration:
 
-- compute: per-tensor forward and backward times (harness.profile): FLOPs scaled to a
-  GPU of `simulate.gpus` (calibrated only by its 1-GPU throughput), or measured here;
-- the method's own plan (harness.plan.plan_of: the planners of methods.plan, the
+- compute: per-tensor forward and backward times (harness.predict.profile): FLOPs scaled
+  to a GPU of `simulate.gpus` (calibrated only by its 1-GPU throughput; counted once and
+  cached, so a warm run imports no torch), or measured here;
+- the method's own plan (harness.predict.plans.plan_of: the planners of methods.plan, the
   MG-WFBP merge from the backward times and a fitted alpha/beta, ByteScheduler's
   slices, and the PS partitions, keys and servers of methods.layout) and its
   scheduler's semantics: after backward, on ready, or a priority queue under a credit
@@ -18,10 +19,14 @@ A discrete-event model of training iterations, per configuration:
   summations, which this model does not time: it predicts bytescheduler_ps as wfbp_ps.
 
 Every configuration of the sweep becomes one result row with source=simulated (one
-shard per simulation), so `harness.report` draws simulated figures with the same code.
+shard per simulation), so `harness.report` draws simulated figures with the same code;
+the best method per model, network and GPU count is printed and written beside the
+shard (<run_id>_best.csv). A sweep of more than a few hundred configurations (e.g.
+experiment=whatif, 10,044 of them) prints its progress instead of a line each, and
+shares the work among this machine's cores.
 `simulate.calibrate=<csv>` fits each method's costs that no fact gives on one node's
-measurements (harness.calibrate), `simulate.reference=<csv>` validates against measured
-throughputs, `simulate.advise=true` ranks the methods per model and cluster.
+measurements (harness.predict.calibrate), `simulate.reference=<csv>` validates against
+measured throughputs, `simulate.advise=true` ranks the methods per model and cluster.
 """
 
 from __future__ import annotations

@@ -8,14 +8,18 @@ Every configuration of the sweep (the union of products of `hydra.sweeper.params
 `hydra.sweeper.extra`) is validated first. Configurations that already have a successful
 shard for every repeat in `results_dir` are skipped, so resubmitting reruns only what
 failed or never ran. The rest is grouped by resource shape (nodes x tasks per node):
-Slurm arrays share one resource request, and arrays of heterogeneous jobs are not
-supported, so each shape is one array with one task per configuration. A task reads its
-overrides and rank placement from files written here, and `srun` starts one
-`python -m harness.run` per rank (workers, then parameter servers). The Slurm settings
-are `cluster.slurm.*` of conf/cluster/slurm.yaml. GPUs are checked against the
+Slurm arrays share one resource request, so each shape is one array with one task per
+configuration. A task reads its overrides and rank placement from files written here,
+and `srun` starts one `python -m harness.run` per rank (workers, then parameter
+servers), each worker bound to one GPU of its node and each server to none. The Slurm
+settings are `cluster.slurm.*` of conf/cluster/slurm.yaml. GPUs are checked against the
 partition (`sinfo`), not this login node: `cluster.slurm.gpus_per_node` null requests one
 GPU per worker where the runs use GPUs (cluster.device=cuda, or auto on a partition with
-GPUs). Bad input is one line, exit code 2, and nothing is submitted.
+GPUs), and only for the workers' nodes: servers on nodes of their own
+(`cluster.slurm.colocate_servers=false`) of a GPU run are a component of a
+heterogeneous job that asks for none, and since Slurm has no arrays of heterogeneous
+jobs, such a shape is submitted as one job per configuration, from the same script.
+Bad input is one line, exit code 2, and nothing is submitted.
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ def _dry_run(arrays: dict[Shape, list[Task]]) -> int:
     root = Path(next(iter(arrays.values()))[0].slurm.jobs_dir) / "DRY-RUN"
     for shape, tasks in arrays.items():
         name = f"DRY-RUN-{shape.label}"
-        print(f"\n=== array {name}: {len(tasks)} tasks of {shape.nodes} node(s) x "
+        print(f"\n=== {_kind(shape)} {name}: {len(tasks)} tasks of {shape.nodes} node(s) x "
               f"{shape.tasks_per_node} ranks{_gpus(shape)} ===")
         print(script_text(tasks, shape, jobs_dir=root / name, name=name))
         for i, task in enumerate(tasks):
@@ -171,7 +175,13 @@ def _dry_run(arrays: dict[Shape, list[Task]]) -> int:
 
 
 def _gpus(shape: Shape) -> str:
-    return f", {shape.gpus_per_node} GPUs per node" if shape.gpus_per_node else ""
+    servers = (f", and {shape.servers} servers on {shape.server_nodes} node(s) without GPUs"
+               if shape.hetero else "")
+    return (f", {shape.gpus_per_node} GPUs per node" if shape.gpus_per_node else "") + servers
+
+
+def _kind(shape: Shape) -> str:
+    return "heterogeneous jobs" if shape.hetero else "array"
 
 
 def _submit(arrays: dict[Shape, list[Task]], overrides: list[str]) -> int:
@@ -180,9 +190,12 @@ def _submit(arrays: dict[Shape, list[Task]], overrides: list[str]) -> int:
     root = Path(slurm.jobs_dir).resolve()
     for shape, tasks in arrays.items():
         script = write_array(tasks, shape, root=root, name=stamp)
-        job_id = sbatch(script)
-        print(f"submitted array {job_id}: {len(tasks)} tasks of {shape.nodes} node(s) x "
-              f"{shape.tasks_per_node} ranks{_gpus(shape)}; script {script}, "
+        if shape.hetero:  # no arrays of heterogeneous jobs: one job per task
+            job_id = ",".join(sbatch(script, task=i) for i in range(len(tasks)))
+        else:
+            job_id = sbatch(script)
+        print(f"submitted {_kind(shape)} {job_id}: {len(tasks)} tasks of {shape.nodes} "
+              f"node(s) x {shape.tasks_per_node} ranks{_gpus(shape)}; script {script}, "
               f"logs {script.parent}/logs/")
     return 0
 

@@ -1,41 +1,40 @@
 """Method registry: a method config names a transport, a planner and a scheduler.
 
 The names users type are the file stems of conf/method/; each file composes the
-pieces registered here, so a new combination is a new YAML file, not new code.
-Parameter servers run `serve`; workers call `stop_servers` when they are done.
+pieces registered in methods/params.py, so a new combination is a new YAML file, not
+new code. Checking a method reads those tables and imports no torch; `build` imports
+the pieces' classes (and torch with them). Parameter servers run `serve`; workers call
+`stop_servers` when they are done.
 """
 
 from __future__ import annotations
 
-import inspect
-import types
-import typing
-from collections.abc import Callable, Mapping
-from typing import Any
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from methods.allreduce import AllreduceTransport
-from methods.base import Method
-from methods.ddp import DDPMethod
-from methods.engine import Engine
-from methods.horovod import HorovodTransport, on_engine
 from methods.layout import ASSIGNMENTS
-from methods.plan import PLANNERS
-from methods.ps import PSTransport, stop_servers
-from methods.sched import SCHEDULERS
-from methods.server import serve
+from methods.params import DDP, PLANNERS, SCHEDULERS, TRANSPORTS, Piece, wrong_type
 
-TRANSPORTS = {"allreduce": AllreduceTransport, "horovod": HorovodTransport, "ps": PSTransport,
-              "ddp": None}
-INJECTED = {"group", "timeout_s", "workers_per_node", "node_groups"}  # from build(), not YAML
-DDP_INJECTED = {"device_ids", "process_group"}
-TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from methods.base import Method
+
 BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
+# torch-side names, imported on first use (`methods.Engine`, `methods.serve`, ...)
+LAZY = {"Method": "methods.base", "Engine": "methods.engine", "on_engine": "methods.horovod",
+        "serve": "methods.server", "stop_servers": "methods.ps"}
 
 __all__ = ["Method", "Engine", "build", "check", "on_engine", "serve", "stop_servers",
            "uses_servers", "wrong_type"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in LAZY:
+        return getattr(importlib.import_module(LAZY[name]), name)
+    raise AttributeError(f"module 'methods' has no attribute {name!r}")
 
 
 def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -50,35 +49,16 @@ def uses_servers(method: Mapping[str, Any], *, nodes: int) -> bool:
     return transport["name"] == "ps" and not (transport.get("local_reduce", True) and nodes == 1)
 
 
-def wrong_type(func: Callable, key: str, value: Any) -> str | None:
-    """What argument `key` of `func` must be (e.g. "an integer") when `value` is not that,
-    from its scalar type annotation; None when it fits or the annotation says nothing."""
-    try:
-        hint = typing.get_type_hints(func.__init__ if inspect.isclass(func) else func).get(key)
-    except Exception:  # noqa: BLE001 - an unresolvable annotation checks nothing
-        return None
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    options = typing.get_args(hint) if union else (hint,)
-    kinds = [t for t in options if t in TYPE_WORDS]
-    if len(kinds) != 1 or (value is None and type(None) in options):
-        return None
-    kind = kinds[0]
-    fits = isinstance(value, (int, float) if kind is float else kind) and not (
-        isinstance(value, bool) and kind is not bool)
-    return None if fits else TYPE_WORDS[kind]
-
-
-def _check_args(method: Mapping[str, Any], kind: str, func: Callable, name: str,
-                injected: set[str]) -> None:
-    """Every argument of `method[kind]` is one `func` takes, of its type."""
+def _check_args(method: Mapping[str, Any], kind: str, piece: Piece, name: str) -> None:
+    """Every argument of `method[kind]` is one `piece` takes, of its type."""
     _, args = _split(method[kind])
-    accepted = set(inspect.signature(func).parameters) - injected
+    accepted = piece.accepted()
     for key, value in args.items():
         if key not in accepted:
             raise ValueError(f"method {method['name']!r}: method.{kind}.{key} is not an "
                              f"argument of {kind} {name!r}; it takes: "
                              f"{', '.join(sorted(accepted)) or 'nothing'}")
-        expected = wrong_type(func, key, value)
+        expected = wrong_type(piece.params, key, value)
         if expected:
             raise ValueError(f"method {method['name']!r}: method.{kind}.{key}={value!r} is "
                              f"invalid; it must be {expected}")
@@ -87,18 +67,18 @@ def _check_args(method: Mapping[str, Any], kind: str, func: Callable, name: str,
 def check(method: Mapping[str, Any]) -> None:
     """Raise ValueError naming the bad piece or value if `method` does not compose."""
     if method["transport"]["name"] == "ddp":
-        _check_args(method, "planner", DDPMethod, "ddp", DDP_INJECTED)
+        _check_args(method, "planner", DDP, "ddp")
         _positive(method, "planner", "bucket_cap_mb")
         return
     for kind, registry in (("transport", TRANSPORTS), ("planner", PLANNERS),
                            ("scheduler", SCHEDULERS)):
         name, _ = _split(method[kind])
-        if name not in registry or registry[name] is None:
+        if registry.get(name) is None:
             raise ValueError(
                 f"method {method['name']!r}: {kind} {name!r} is unknown; "
                 f"choose one of: {', '.join(sorted(k for k, v in registry.items() if v))}"
             )
-        _check_args(method, kind, registry[name], name, INJECTED)
+        _check_args(method, kind, registry[name], name)
     _check_sizes(method)
 
 
@@ -147,27 +127,27 @@ def build(method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device:
 
     `timeout_s` bounds every wait of the method that torch.distributed does not; PS
     methods aggregate inside nodes of `workers_per_node` workers on `node_groups`
-    (harness.launch.node_groups).
+    (harness.launch.node_groups). Imports the pieces' classes, and torch with them.
     """
+    from methods.engine import Engine
+
     transport, t_args = _split(method["transport"])
     if transport == "ddp":
         _, p_args = _split(method["planner"])
-        return DDPMethod(device_ids=[device.index] if device.type == "cuda" else None,
-                         process_group=group, **p_args)
+        return DDP.load()(device_ids=[device.index] if device.type == "cuda" else None,
+                          process_group=group, **p_args)
     planner, p_args = _split(method["planner"])
     scheduler, s_args = _split(method["scheduler"])
     return Engine(
         name=method["name"],
-        transport=_transport(transport, t_args, group=group, timeout_s=timeout_s,
-                             workers_per_node=workers_per_node, node_groups=node_groups),
-        planner=PLANNERS[planner](**p_args),
-        scheduler=SCHEDULERS[scheduler](timeout_s=timeout_s, **s_args),
+        transport=_injected(TRANSPORTS[transport], t_args, group=group, timeout_s=timeout_s,
+                            workers_per_node=workers_per_node, node_groups=node_groups),
+        planner=PLANNERS[planner].load()(**p_args),
+        scheduler=_injected(SCHEDULERS[scheduler], s_args, timeout_s=timeout_s),
         timeout_s=timeout_s,
     )
 
 
-def _transport(name: str, args: dict[str, Any], **injected: Any) -> Any:
-    """The transport `name`, given those of `injected` its signature takes."""
-    cls = TRANSPORTS[name]
-    accepted = inspect.signature(cls).parameters
-    return cls(**args, **{k: v for k, v in injected.items() if k in accepted})
+def _injected(piece: Piece, args: dict[str, Any], **injected: Any) -> Any:
+    """`piece` built from its YAML `args`, plus those of `injected` it declares."""
+    return piece.load()(**args, **{k: v for k, v in injected.items() if k in piece.injected})

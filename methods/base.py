@@ -15,21 +15,63 @@ The training loop drives every method the same way:
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-POLL_MAX_S = 1e-3  # longest sleep between two polls of a communication's completion
+# longest sleep between two polls of a communication's completion: on a fast GPU a
+# millisecond is a layer's backward, and a credit returned that late idles the link
+POLL_MAX_S = 50e-6
 
 
 def device_sync(device: torch.device) -> None:
     """Wait until the work queued on `device` has run (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of its own on `device` for one of a method's threads (None on a CPU)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def start_thread(target: Callable[[], None], *, name: str, device: torch.device,
+                 stream: torch.cuda.Stream | None = None) -> threading.Thread:
+    """Start a daemon thread that runs `target` on `device`, and on a GPU on `stream`.
+
+    A fresh thread's current device is GPU 0 and its current stream that GPU's legacy
+    default stream, the one the training loop computes on. So the thread first makes
+    the rank's device current (torch.cuda.stream entered before that leaves a context
+    on GPU 0), then `stream`: what it queues never lands on the compute stream, and is
+    ordered against other streams by events alone (`record`, `wait_for`).
+    """
+    def run() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            target()
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
+    thread.start()
+    return thread
+
+
+def record(device: torch.device) -> torch.cuda.Event | None:
+    """An event at the end of the work queued so far on the current stream (CPU: None,
+    the work is done when its call returns)."""
+    return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
+
+
+def wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """Work queued on the current stream from now on runs after `event` (None: nothing)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 class Handle(Protocol):
@@ -61,10 +103,10 @@ class Done:
 
 
 def poll_until(done: Callable[[], bool], *, timeout_s: float, what: str) -> None:
-    """Return once `done()` is true, polling it with a sleep a little longer each time;
-    a TimeoutError ("<what> timed out ...", a peer's symptom to harness.launch.failure) after
-    `timeout_s` seconds. For waits that must never block in a library (a dead peer would
-    hang them)."""
+    """Return once `done()` is true, polling it with a sleep a little longer each time (at
+    most POLL_MAX_S); a TimeoutError ("<what> timed out ...", a peer's symptom to
+    harness.launch.failure) after `timeout_s` seconds. For waits that must never block in
+    a library (a dead peer would hang them)."""
     deadline, pause = time.monotonic() + timeout_s, 1e-5
     while not done():
         if time.monotonic() > deadline:

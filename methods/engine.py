@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from methods.base import GradBuffer, Method, Scheduler, Transport, backward_named, backward_order
-from methods.costmodel import fit_allreduce_cost
+from methods.costtiming import fit_allreduce_cost
 from methods.order import global_rank
 from methods.plan import Unit
 from methods.profile import BackwardProfiler

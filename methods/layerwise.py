@@ -9,6 +9,12 @@ by several modules belongs to the first of them, and every owner waits for it).
 The update of a layer is the user's optimizer restricted to that layer: one
 optimizer of the same class and hyper-parameters per layer, sharing the user's
 optimizer's per-parameter state, so the step equals the user's step exactly.
+
+On a GPU the updates run on the stream of the thread that applies them (the
+scheduler's completer), never on the compute stream. Each update ends with an
+event; the compute stream waits for a layer's event only where it must: before
+the layer's next forward reads its parameters, before its next gradient is written
+into the buffer the update read, and at `settle` (the end of a timed window).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from methods.base import GradBuffer
+from methods.base import GradBuffer, record, wait_for
 
 
 def module_layers(model: nn.Module, params: list[nn.Parameter]
@@ -87,6 +93,8 @@ class LayerUpdates:
         self.updated = [threading.Event() for _ in self.names]
         for e in self.updated:
             e.set()
+        self.device = buffer.flat.device
+        self.applied: list[torch.cuda.Event | None] = [None] * len(self.names)  # GPU: the end
         self.hooks: list[RemovableHandle] = [
             m.register_forward_pre_hook(self._gate(layers)) for m, layers in needs.items()]
         self.bound = threading.Event()
@@ -100,12 +108,19 @@ class LayerUpdates:
         return wait_for_updates
 
     def wait(self, layer: int) -> None:
-        """Return once `layer`'s pending update is applied (or raise the scheduler's error)."""
+        """Return once `layer`'s pending update is applied (or raise the scheduler's error);
+        work queued on the current stream from then on runs after it."""
         if not self.updated[layer].wait(self.timeout_s):
             self.check()
             raise TimeoutError(f"the update of layer {self.names[layer]!r} was not applied "
                                f"within {self.timeout_s:g} s")
         self.check()
+        self.after_update(layer)
+
+    def after_update(self, layer: int) -> None:
+        """Work queued on the current stream from now on runs after `layer`'s last update
+        (before its next gradient is written into the buffer that update read)."""
+        wait_for(self.applied[layer], self.device)
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Use `optimizer`'s class, hyper-parameters and state for every later update."""
@@ -130,9 +145,15 @@ class LayerUpdates:
             return  # released on close before any step: nothing to apply
         for sub in self.subs[layer]:
             sub.step()
+        self.applied[layer] = record(self.device)
         for i in self.params[layer]:
             self.buffer.release(i)
         self.updated[layer].set()
+
+    def settle(self) -> None:
+        """Work queued on the current stream from now on runs after every update applied."""
+        for event in self.applied:
+            wait_for(event, self.device)
 
     def release(self) -> None:
         """Wake every waiting forward (after an error, or on close)."""

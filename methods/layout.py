@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Any
 
 from methods.plan import Unit
 
+PARTITION_BYTES = 4_096_000  # BytePS's partition size in the study
 ASSIGNMENTS = ("hash", "balanced")
 PIECE_BITS = 16
 UINT64 = (1 << 64) - 1
@@ -111,3 +113,12 @@ def imbalance(load: list[int]) -> float:
     """Busiest server over the mean (1.0: perfectly even)."""
     mean = sum(load) / len(load) if load else 0
     return max(load) / mean if mean else 1.0
+
+
+def plan_summary(parts: list[list[Part]], servers: int, element_size: int) -> dict[str, Any]:
+    """Partitions, and with servers the bytes each receives from a node and busiest / mean."""
+    out: dict[str, Any] = {"partitions": sum(len(ps) for ps in parts)}
+    if servers:
+        load = server_bytes(parts, servers, element_size)
+        out |= {"server_bytes": load, "busiest_over_mean": round(imbalance(load), 4)}
+    return out

@@ -7,15 +7,25 @@ the next units from its own queue (one unit, or a group fused into one
 all-reduce) and sends their indices to every other rank (point-to-point, tag
 ORDER_TAG: [count, first index], then the other indices if any); the others issue exactly that
 sequence, each group as soon as its units are ready locally.
+
+A send's tensor must live until the send is done, and a Gloo send reports done only
+once waited on (`is_completed()` stays False until `wait()`), so the leader keeps its
+last WINDOW sends and waits on the oldest beyond that: bounded memory and constant
+work per announcement. The wait returns at once unless a follower is more than WINDOW
+messages behind, and then holds the leader back until it catches up (a follower takes
+each announcement before it can take part in the next unit, so it never lags far).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 ORDER_TAG = 0x5EED
 STOP = -1  # the count that ends the sequence
+WINDOW = 256  # sends in flight (over all followers) before the leader waits on the oldest
 
 
 def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -28,7 +38,7 @@ class OrderLeader:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.peers = [global_rank(group, r) for r in range(1, dist.get_world_size(group))]
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.pending: deque[tuple[dist.Work, torch.Tensor]] = deque()  # oldest first
 
     def announce(self, units: list[int]) -> None:
         """Every other rank issues `units` (one group) next."""
@@ -37,9 +47,10 @@ class OrderLeader:
             self._send(torch.tensor(units[1:], dtype=torch.int64))
 
     def _send(self, msg: torch.Tensor) -> None:
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
         for peer in self.peers:
             self.pending.append((dist.isend(msg, dst=peer, group=self.group, tag=ORDER_TAG), msg))
+        while len(self.pending) > WINDOW:
+            self.pending.popleft()[0].wait()
 
     def close(self) -> None:
         """Tell the followers to stop, and wait until every announcement has left."""

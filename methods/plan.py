@@ -164,9 +164,9 @@ def mgwfbp_groups(sizes: list[int], backward_s: list[float], cost: Cost, *,
         ready[layer] = elapsed
     tc = [cost.seconds(k * element_size) if k else 0.0 for k in p]
     groups, group = [], []
+    start = ready[n - 1]  # when layer's all-reduce starts: it is ready and the one before is done
     for layer in range(n - 1, 0, -1):
         group.append(layer)
-        start = _comm_starts(ready, tc)[layer]
         merge = ready[layer - 1] < start + tc[layer] and (
             start > ready[layer - 1] or ready[layer - 1] - start < cost.alpha)
         if merge or p[layer] < SMALL_TENSOR_ELEMENTS:
@@ -176,18 +176,11 @@ def mgwfbp_groups(sizes: list[int], backward_s: list[float], cost: Cost, *,
         else:
             groups.append(group)
             group = []
+        # the next layer's start, from what is final now: the merge decisions of the
+        # layers after it never change again (the paper recomputes every start each step)
+        start = max(start + tc[layer], ready[layer - 1])
     groups.append([*group, 0])
     return [[n - 1 - layer for layer in g] for g in groups]
-
-
-def _comm_starts(ready: list[float], tc: list[float]) -> list[float]:
-    """When each tensor's all-reduce starts: its gradient is ready and the previous one is done."""
-    n = len(ready)
-    start = [0.0] * n
-    start[n - 1] = ready[n - 1]
-    for layer in range(n - 2, -1, -1):
-        start[layer] = max(start[layer + 1] + tc[layer + 1], ready[layer])
-    return start
 
 
 class MergedGroups:

@@ -17,6 +17,13 @@ issued within one cycle start together at its end, consecutive ones fused into o
 all-reduce of at most `fusion_bytes` (Horovod's fusion buffer: copied in and out
 unless they already lie next to each other in the flat buffer).
 
+On a GPU each thread queues its work on a stream of its own (methods/base.py
+`start_thread`), never on the compute stream, and streams are ordered by events alone:
+a gradient hook records an event once the gradient is in the buffer, and the issuer's
+stream waits for it before the piece goes; the completer's stream waits for the
+piece's communication (`Handle.wait`) and runs the layer's update; the compute stream
+waits for that update only before the layer's next forward (methods/layerwise.py).
+
 With several ranks, rank 0 decides the issue order (and the fused groups) and the
 others follow it (methods/order.py). Collectives need that to be correct at all.
 PS messages are matched by key, but a partition's pull completes only once every
@@ -37,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from methods.base import GradBuffer, Transport
+from methods.base import GradBuffer, Transport, record, side_stream, start_thread, wait_for
 from methods.delay import HookDelay
 from methods.layerwise import LayerUpdates
 from methods.order import OrderFollower, OrderLeader
@@ -111,11 +118,10 @@ class Priority:
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                       for i, p in enumerate(buffer.params)]
         issue = self._follow if self.role == "follower" else self._issue
-        self.threads = [threading.Thread(target=self._guard(issue), daemon=True, name="issuer"),
-                        threading.Thread(target=self._guard(self._complete), daemon=True,
-                                         name="completer")]
-        for t in self.threads:
-            t.start()
+        self.device = device = buffer.flat.device
+        self.threads = [start_thread(self._guard(loop), name=name, device=device,
+                                     stream=side_stream(device))
+                        for loop, name in ((issue, "issuer"), (self._complete, "completer"))]
 
     def _credit(self, element_size: int) -> int:
         elements, nbytes = self.credit_spec
@@ -137,6 +143,7 @@ class Priority:
         self.remaining = [0] * len(self.layers.names)
         self.layer_iter = [-1] * len(self.layers.names)  # iteration a layer is busy in
         self.marked = [-1] * n  # iteration a parameter's gradient was last ready in
+        self.collected: list[torch.cuda.Event | None] = [None] * n  # GPU: gradient in buffer
 
     # -- gradient hooks (main thread, during backward) -----------------------------------
 
@@ -155,7 +162,9 @@ class Priority:
                     f"the gradient of a parameter of layer {self.layers.names[layer]!r} was "
                     "produced before its previous update was applied; the priority scheduler "
                     "needs every parameter used only inside the forward of its own module")
+        self.layers.after_update(layer)  # the buffer slice is the previous update's input
         self.buffer.collect(i)  # outside the lock; nothing reads it before it is queued below
+        self.collected[i] = record(self.buffer.flat.device)
         with self.cond:
             self.marked[i] = self.iteration
             if self.layer_iter[layer] == -1:
@@ -244,6 +253,8 @@ class Priority:
             self._start(group)
 
     def _start(self, group: list[int]) -> None:
+        for u in group:  # this thread's stream: after the pieces' gradients are in the buffer
+            wait_for(self.collected[self.units[u].params[0]], self.device)
         units = sorted((self.units[u] for u in group), key=lambda unit: unit.start)
         if all(a.end == b.start for a, b in zip(units, units[1:])):  # one slice of the buffer
             chunk = self.buffer.slice(units[0].start, units[-1].end)
@@ -310,6 +321,7 @@ class Priority:
                                        f"{self.timeout_s:g} s")
                 self.cond.wait(left)
         self.check()
+        self.layers.settle()  # GPU: what the caller queues next comes after every update
 
     def close(self) -> None:
         with self.cond:
@@ -352,6 +364,8 @@ class Fused:
         self.handle.wait()
         for chunk, part in zip(self.chunks, self.fused.split([c.numel() for c in self.chunks])):
             chunk.copy_(part)
+        if self.fused.is_cuda:  # made on the issuer's stream, read here on another
+            self.fused.record_stream(torch.cuda.current_stream(self.fused.device))
 
     def complete(self) -> None:
         self.handle.complete()

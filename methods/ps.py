@@ -29,12 +29,10 @@ import torch
 import torch.distributed as dist
 
 from methods.base import GradBuffer, until_completed
-from methods.layout import ASSIGNMENTS, Part, imbalance, partitions, server_bytes
+from methods.layout import ASSIGNMENTS, PARTITION_BYTES, Part, partitions, plan_summary
 from methods.plan import Unit
 from methods.ps_node import HostStaging, Node, _Exchange, _Pipeline
 from methods.ps_wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
-
-PARTITION_BYTES = 4_096_000  # BytePS's partition size in the study
 
 
 def server_ranks(num_workers: int) -> list[int]:
@@ -165,11 +163,3 @@ class PSTransport:
                 "local_reduce": self.local_reduce, "assignment": self.assignment,
                 "server_schedule": self.server_schedule, **self.described}
 
-
-def plan_summary(parts: list[list[Part]], servers: int, element_size: int) -> dict[str, Any]:
-    """Partitions, and with servers the bytes each receives from a node and busiest / mean."""
-    out: dict[str, Any] = {"partitions": sum(len(ps) for ps in parts)}
-    if servers:
-        load = server_bytes(parts, servers, element_size)
-        out |= {"server_bytes": load, "busiest_over_mean": round(imbalance(load), 4)}
-    return out

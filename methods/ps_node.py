@@ -1,21 +1,23 @@
 """Node-local aggregation and host staging, the worker's way to the servers (BytePS).
 
 A node's first worker (the root) pushes and pulls for all (`Node`): the unit is reduced
-to the root before and broadcast inside the node after, each on a process group of its
-own (one per thread), so each group sees one order on every worker. A node of one
-worker does neither.
+to the root before and broadcast inside the node after. A node of one worker does
+neither.
+
+Every collective of a node goes in one order on all its workers (methods/ps_order.py).
 
 Servers are CPU processes (methods/server.py). Workers on GPUs stage their
 gradients through a pinned host mirror of the flat buffer (`HostStaging`), copied on
 streams of their own; on CPU the flat buffer is its own mirror and nothing is copied.
 
-`_Pipeline` is one plan's two threads: for each unit (`_Exchange`) put to it, a poster
-reduces it inside the node, copies it to the host and posts its messages (protocol:
-methods/ps_wire.py); a lander waits for its pulls in order, copies each partition back
-and broadcasts it inside the node. Neither the gradient hooks nor the compute stream
-wait for any of it; CPU and GPU workers take the same path. `_Exchange.wait` and
-`.complete` are the unit's handle (methods/base.py `Handle`); errors are raised there,
-naming the peer.
+`_Pipeline` is one plan's threads: for each unit (`_Exchange`) put to it, a poster
+has it reduced inside the node, copies it to the host and posts its messages
+(protocol: methods/ps_wire.py); a lander waits for its pulls in order, copies each
+partition back and has it broadcast inside the node. Every thread starts with the
+first unit, on its device (methods/base.py `start_thread`). Neither the gradient hooks
+nor the compute stream wait for any of it; CPU and GPU workers take the same path.
+`_Exchange.wait` and `.complete` are the unit's handle (methods/base.py `Handle`);
+errors are raised there, naming the peer.
 """
 
 from __future__ import annotations
@@ -29,54 +31,28 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from methods.base import record, start_thread, wait_for
 from methods.layout import Part
+from methods.ps_order import BROADCAST, REDUCE, Node, NodeOrder
 from methods.ps_wire import (
     CTRL_TAG,
     HEADER,
     KEY_TAG,
     PUSH,
     header,
-    naming,
     naming_server,
     server_name,
 )
 
 
-class Node:
-    """This worker's node for local aggregation (BytePS): its first worker (the root) pushes
-    and pulls for all; the unit is reduced to the root before and broadcast after, each on
-    a group of its own. A node of one worker does neither."""
-
-    def __init__(self, rank: int, size: int, groups: tuple | None) -> None:
-        if size > 1 and not groups:
-            raise ValueError("node-local aggregation needs the node's process groups "
-                             "(harness.launch.rank makes them; pass node_groups)")
-        self.size, self.root = size, rank - rank % size
-        self.is_root = rank == self.root
-        self.reduce_group, self.broadcast_group = groups if size > 1 else (None, None)
-        self.name = f"the workers of the node of rank {self.root}"
-
-    def reduce(self, chunk: torch.Tensor) -> None:
-        """Sum the node's `chunk`s into the root's (on a GPU: ordered on the current stream)."""
-        if self.size > 1:
-            with naming(self.name):
-                dist.reduce(chunk, dst=self.root, group=self.reduce_group, async_op=True).wait()
-
-    def broadcast(self, chunk: torch.Tensor) -> None:
-        """The root's `chunk` to every worker of the node."""
-        if self.size > 1:
-            with naming(self.name):
-                dist.broadcast(chunk, src=self.root, group=self.broadcast_group,
-                               async_op=True).wait()
-
-
 class HostStaging:
     """Where pushes are read from and pulls land: the buffer itself on CPU, pinned memory on
     GPU. On GPU each direction has a copy stream of its own, as BytePS has: the way out
-    (`side()`: node reduce, copy to host) and the way back (`side(back=True)`: copy to the
-    device, node broadcast). With one stream the node's collectives would chain: a root's
-    next reduce, waited on there, would hold back its broadcast of the unit before, which
-    the other workers need before their next reduce. Events are None on CPU."""
+    (`side()`: after the node's reduce, the copy to the host) and the way back
+    (`side(back=True)`: the copies to the device, then the node's broadcast). With one
+    stream a root's next reduce, waited on there, would hold back the way back of the
+    unit before. (The collectives themselves are queued by the node thread, on a stream
+    of its own: `NodeOrder`.) Events are None on CPU."""
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
@@ -88,8 +64,7 @@ class HostStaging:
 
     def ready(self) -> torch.cuda.Event | None:
         """The event of the end of the work queued so far on the current stream (gradients)."""
-        return torch.cuda.current_stream(self.flat.device).record_event() \
-            if self.on_device else None
+        return record(self.flat.device)
 
     def side(self, *, back: bool = False):
         """Run what follows on the copy stream of the way out, or back (CPU: as it comes)."""
@@ -119,8 +94,7 @@ class HostStaging:
 
     def order_after(self, event: torch.cuda.Event | None) -> None:
         """Work queued on the caller's current stream from now on runs after `event`."""
-        if event is not None:
-            torch.cuda.current_stream(self.flat.device).wait_event(event)
+        wait_for(event, self.flat.device)
 
 
 def _finish(event: torch.cuda.Event | None) -> None:
@@ -176,14 +150,16 @@ class _Exchange:
             raise RuntimeError(str(self.error)) from self.error
 
 
-def _post(job: _Exchange, *, node: Node, servers: list[int]) -> None:
+def _post(job: _Exchange, *, node: Node, order: NodeOrder | None, servers: list[int]) -> None:
     """Reduce the unit to the root; there, once it is on the host: per server its control
     header, then per partition the push and the pull (the server reads the header first,
     then the data it announces)."""
     with job.staging.side():
-        job.staging.order_after(job.ready)
         job.at = node.name
-        node.reduce(job.chunk())
+        if order is None:  # a node of one worker: only the gradients to wait for
+            job.staging.order_after(job.ready)
+        else:
+            order.run(REDUCE, job.chunk(), after=job.ready, timeout_s=job.timeout_s)
     job.reduced = job.staging.mark(back=False)
     if not node.is_root:
         return
@@ -206,7 +182,7 @@ def _post(job: _Exchange, *, node: Node, servers: list[int]) -> None:
                                       True))
 
 
-def _land(job: _Exchange, *, node: Node) -> None:
+def _land(job: _Exchange, *, node: Node, order: NodeOrder | None) -> None:
     """Wait for the unit's messages in posting order, copying each pull back as it lands;
     then broadcast the result inside the node."""
     with job.staging.side(back=True):  # nothing lands before the reduce has read the unit
@@ -217,25 +193,31 @@ def _land(job: _Exchange, *, node: Node) -> None:
             work.wait()
         if pull:
             job.staging.to_device(part.start, part.end)
-    with job.staging.side(back=True):
-        job.at = node.name
-        node.broadcast(job.chunk())
+    if order is not None:
+        with job.staging.side(back=True):
+            job.at = node.name
+            order.run(BROADCAST, job.chunk(), after=job.staging.mark(), timeout_s=job.timeout_s)
     job.landed = job.staging.mark()
     job.done.set()
 
 
 class _Stage:
-    """A thread that runs `step` on each job put to it, in order. After its first error
-    it fails every later job with that error instead."""
+    """A thread that runs `step` on each job put to it, in order, started with the first
+    job on that job's device. After its first error it fails every later job with that
+    error instead."""
 
     def __init__(self, step: Callable[[_Exchange], None], *, name: str) -> None:
         self.step, self.name = step, name
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name=name)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
 
     def put(self, job: _Exchange) -> None:
+        with self.lock:
+            if self.thread is None:
+                self.thread = start_thread(self._run, name=self.name,
+                                           device=job.staging.flat.device)
         self.jobs.put(job)
 
     def _run(self) -> None:
@@ -250,30 +232,41 @@ class _Stage:
 
     def stop(self, timeout_s: float) -> None:
         """Finish every job put so far, then end the thread."""
+        with self.lock:
+            thread = self.thread
+        if thread is None:
+            return
         self.jobs.put(None)
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
+        thread.join(timeout_s)
+        if thread.is_alive():
             raise TimeoutError(f"the {self.name} thread did not finish within {timeout_s:g} s")
 
 
 class _Pipeline:
-    """One plan's two threads: the poster reduces and posts a unit and hands it to the
-    lander, which waits for its messages in order and broadcasts it."""
+    """One plan's threads: the poster has a unit reduced, posts it and hands it to the
+    lander, which waits for its messages in order and has it broadcast; with more than one
+    worker on the node, the node thread issues those collectives in the node's one order."""
 
     def __init__(self, servers: list[int], node: Node) -> None:
-        self.lander = _Stage(functools.partial(_land, node=node), name="ps-lander")
-        self.poster = _Stage(functools.partial(_post_and_hand, node=node, servers=servers,
-                                               lander=self.lander), name="ps-poster")
+        self.order = NodeOrder(node) if node.size > 1 else None
+        self.lander = _Stage(functools.partial(_land, node=node, order=self.order),
+                             name="ps-lander")
+        self.poster = _Stage(functools.partial(_post_and_hand, node=node, order=self.order,
+                                               servers=servers, lander=self.lander),
+                             name="ps-poster")
 
     def put(self, job: _Exchange) -> None:
         self.poster.put(job)
 
     def stop(self, timeout_s: float) -> None:
-        """Post and land everything queued (nothing is left behind), then end both threads."""
+        """Post and land everything queued (nothing is left behind), then end the threads."""
         self.poster.stop(timeout_s)
         self.lander.stop(timeout_s)
+        if self.order is not None:
+            self.order.stop(timeout_s)
 
 
-def _post_and_hand(job: _Exchange, *, node: Node, servers: list[int], lander: _Stage) -> None:
-    _post(job, node=node, servers=servers)
+def _post_and_hand(job: _Exchange, *, node: Node, order: NodeOrder | None, servers: list[int],
+                   lander: _Stage) -> None:
+    _post(job, node=node, order=order, servers=servers)
     lander.put(job)

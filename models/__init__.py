@@ -1,35 +1,87 @@
 """Model registry: a model config's `family` picks the class, `build` its arguments.
 
-The names users type are the file stems of conf/model/; this module only maps
-families to classes and measures what the results record about a model.
+The names users type are the file stems of conf/model/; this module maps families to
+their classes and declares, as data, the arguments each family's `build` takes, so a
+configuration is checked without torch. Building or measuring a model imports torch
+(and transformers or torchvision) on use. tests/test_params.py checks the declared
+arguments against the classes.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-from models.synthetic import Batch
+    from models.synthetic import Batch
 
-# family -> "module:class", imported on first use (transformers alone takes seconds)
-FAMILIES: dict[str, str] = {"vision": "models.vision:VisionModel", "bert": "models.nlp:BertModel"}
+
+@dataclass(frozen=True)
+class VisionArgs:
+    """models.vision.VisionModel: a torchvision classifier on synthetic images."""
+
+    arch: str
+    image_size: int
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class BertArgs:
+    """models.nlp.BertModel: BERT pre-training from a BertConfig."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    seq_len: int
+    vocab_size: int = 30522
+    dropout: float = 0.1
+
+
+@dataclass(frozen=True)
+class Family:
+    target: str   # "module:class", imported on first use (transformers alone takes seconds)
+    params: type  # dataclass of the arguments of `build`
+
+    def accepted(self) -> list[str]:
+        """The arguments `build` takes, in the constructor's order."""
+        return [f.name for f in fields(self.params)]
+
+
+FAMILIES: dict[str, Family] = {"vision": Family("models.vision:VisionModel", VisionArgs),
+                               "bert": Family("models.nlp:BertModel", BertArgs)}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Batch":  # the synthetic batch type, with torch
+        from models.synthetic import Batch
+
+        return Batch
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
+
+
+def entry(family: str) -> Family:
+    """The registered `family`."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is unknown; choose one of: {sorted(FAMILIES)}")
+    return FAMILIES[family]
 
 
 def family_class(family: str) -> type[nn.Module]:
-    """The model class of `family`."""
-    if family not in FAMILIES:
-        raise ValueError(f"model family {family!r} is unknown; choose one of: {sorted(FAMILIES)}")
-    module, name = FAMILIES[family].split(":")
+    """The model class of `family` (imports torch)."""
+    module, name = entry(family).target.split(":")
     return getattr(importlib.import_module(module), name)
 
 
 def build(family: str, build_args: Mapping[str, Any], *, seed: int) -> nn.Module:
     """Build a model of `family` with random weights drawn from `seed`."""
+    import torch
+
     cls = family_class(family)
     torch.manual_seed(seed)
     return cls(**build_args)
@@ -45,6 +97,9 @@ def describe(family: str, build_args: Mapping[str, Any]) -> dict[str, float]:
     Intensity is the study's I = C/D: forward+backward multiply-accumulates per
     sample per parameter, counted on the meta device (no memory, no compute).
     """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
     with torch.device("meta"):
         model = family_class(family)(**build_args)
         batch = model.make_batch(2, None)

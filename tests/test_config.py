@@ -44,6 +44,37 @@ def test_sweep_jobs_load_as_if_composed_one_by_one() -> None:
         assert config.to_json(one) == config.to_json(cfg), job
 
 
+STUDY = ["network=ib100_rdma", "simulate.compute=rtx2080ti", "model=resnet50"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["cluster.nodes=3", "run.timeout_s=60"],  # an int into a float field: 60.0
+    ["simulate.calibrate_gpus=[4,8]", "method=wfbp_ps", "method.transport.partition_bytes=8"],
+    ["cluster=slurm", "cluster.slurm.partition=x"],  # below a field null by default: composed
+    ["model.build={arch: resnet18, image_size: 32, num_classes: 10}", "results_dir=${model.name}"],
+])
+def test_a_simulated_job_is_the_configuration_hydra_composes(overrides) -> None:
+    cfg = config.load([*STUDY, *overrides], simulate=True)
+    assert isinstance(cfg, config.Frozen)
+    one = composition._typed(config.compose_raw([*STUDY, *overrides]))
+    assert config.to_json(one) == config.to_json(cfg)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("cluster.nodes=abc", "cluster.nodes: Value 'abc' of type 'str' could not be converted"),
+    ("cluster.nodes=0", "cluster.nodes=0 is invalid; it must be > 0"),
+    ("network.rate_mbt=3", "network.rate_mbt is not a configuration key; network has: name,"),
+    ("network.cycle_s=abc", "network.cycle_s='abc' is invalid; it must be a number"),
+    ("simulate.calibrate_gpus=[1]", "simulate.calibrate_gpus has 1; fit on GPU counts above 1"),
+    ("model.build.image_size=abc", "model.build.image_size='abc' is invalid; it must be an int"),
+])
+def test_a_simulated_jobs_bad_value_is_the_same_one_line(override, fragment) -> None:
+    jobs = [[*STUDY, "cluster.nodes=2"], [*STUDY, override]]  # the first shares its subtrees
+    with pytest.raises(config.ConfigError) as err:
+        config.load_all(jobs, simulate=True)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("overrides, hydra_node", [
     (("experiment=paper",), True),  # Hydra's node: enums, missing values, the sweep's params
     (("model=bert_tiny", "+model.build.vocab_size=1000", "method=bytescheduler_a2a"), False),
@@ -88,12 +119,30 @@ def test_a_cached_compose_is_hydras_and_an_edit_to_conf_composes_again(
 
 def test_every_experiment_expands_to_valid_jobs() -> None:
     # valid where they are submitted; the paper's 32 workers do not fit this machine
-    # (test_smoke_sweep_order_is_baseline_first runs smoke's jobs here)
+    # (test_smoke_sweep_order_is_baseline_first runs smoke's jobs here); an experiment
+    # on the study's real networks (whatif) is valid where it is simulated
+    real = [f"network={n}" for n in config.choices("network")
+            if config.is_real_network(config.compose_raw([f"network={n}"]).network)]
     for name in config.choices("experiment"):
-        jobs = config.expand([f"experiment={name}"])
+        jobs = config.sweep([f"experiment={name}"])
         assert jobs, name
+        simulated = [job for job in jobs if set(job) & set(real)]
+        assert len(config.load_all(simulated, simulate=True)) == len(simulated)
         for job in jobs:
-            config.load([*job, "cluster=slurm"])
+            if job not in simulated:
+                config.load([*job, "cluster=slurm"])
+
+
+def test_the_what_if_sweep_is_every_model_method_network_and_gpu_count() -> None:
+    jobs = config.sweep(["experiment=whatif"])
+    cfgs = config.load_all(jobs, simulate=True)
+    assert len(cfgs) >= 10_000
+    gpus = {c.cluster.nodes * c.cluster.workers_per_node for c in cfgs}
+    assert min(gpus) == 1 and max(gpus) == 1024
+    assert {c.model.name for c in cfgs} == {"resnet50", "bert_base", "bert_large"}
+    assert {c.method.name for c in cfgs} == set(config.choices("method"))
+    assert {c.network.name for c in cfgs} >= {"ib100_rdma", "eth100_tcp", "eth10_tcp"}
+    assert {c.simulate.compute for c in cfgs} == {"rtx2080ti"}  # no profile measured: no torch
 
 
 def test_smoke_sweep_order_is_baseline_first() -> None:

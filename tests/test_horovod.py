@@ -125,3 +125,80 @@ def test_ranks_in_network_namespaces_meet_on_their_interface(results_dir: Path) 
     assert out.returncode == 0, out.stdout + out.stderr
     row = results.load(results_dir).iloc[0]
     assert row.status == "ok" and json.loads(row.comm_env_json)["HOROVOD_GLOO_IFACE"] == "eth0"
+
+
+# -- harness.install_horovod: when to rebuild, and where NCCL is (no build here) ------------
+
+TORCH = "2.14.1+cu130"
+
+
+def _installed(monkeypatch, tmp_path: Path, *, built_nccl: int, record: dict | None) -> Path:
+    from harness import install_horovod as inst
+
+    monkeypatch.setattr(inst, "probe", lambda: [horovod.VERSION, True, TORCH, built_nccl])
+    if record is not None:
+        (tmp_path / "installed.json").write_text(json.dumps(record))
+    return tmp_path
+
+
+@pytest.mark.parametrize("built, asked, kept", [
+    (0, 0, True), (0, 23007, False),  # a CPU build no longer blocks the NCCL build
+    (23007, 23007, True), (23007, 0, False), (22005, 23007, False)])
+def test_horovod_is_rebuilt_when_its_nccl_differs_from_the_one_asked(
+        monkeypatch, tmp_path, built: int, asked: int, kept: bool) -> None:
+    from harness import install_horovod as inst
+
+    work = _installed(monkeypatch, tmp_path, built_nccl=built,
+                      record=inst._record(TORCH, built))
+    assert inst.installed_for(TORCH, work, nccl=asked) is kept
+
+
+def test_a_record_from_before_nccl_was_recorded_counts_as_the_loaded_library(
+        monkeypatch, tmp_path) -> None:
+    from harness import install_horovod as inst
+
+    old = {"horovod": horovod.VERSION, "torch": TORCH, "patches": inst.PATCHES}
+    assert inst.installed_for(TORCH, _installed(monkeypatch, tmp_path, built_nccl=0,
+                                                record=old), nccl=0)
+    assert not inst.installed_for(TORCH, tmp_path, nccl=23007)
+    assert not inst.installed_for(TORCH, _installed(monkeypatch, tmp_path / "none", built_nccl=0,
+                                                    record=None))
+
+
+def _pip_nccl(root: Path, *, code: int = 23007) -> Path:
+    package = root / "site" / "nvidia" / "nccl"
+    (package / "include").mkdir(parents=True)
+    (package / "lib").mkdir()
+    (package / "include" / "nccl.h").write_text(
+        f"#define NCCL_MAJOR 2\n#define NCCL_MINOR 30\n#define NCCL_PATCH 7\n"
+        f"#define NCCL_VERSION_CODE {code}\n")
+    (package / "lib" / "libnccl.so.2").write_bytes(b"")
+    return package
+
+
+def test_an_nccl_build_is_pointed_at_the_pip_package(monkeypatch, tmp_path) -> None:
+    from harness import install_horovod as inst
+
+    package = _pip_nccl(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert inst.nccl_build({}, tmp_path / "work") == ({}, 0)  # no NCCL asked: none
+    env, code = inst.nccl_build({"HOROVOD_GPU_OPERATIONS": "NCCL"}, tmp_path / "work")
+    home = tmp_path / "work" / "nccl"
+    assert (env, code) == ({"HOROVOD_NCCL_HOME": str(home), "HOROVOD_NCCL_LINK": "SHARED"}, 23007)
+    # Horovod's CMake finds include/nccl.h and lib/libnccl.so under HOROVOD_NCCL_HOME
+    assert (home / "lib" / "libnccl.so").resolve() == (package / "lib" / "libnccl.so.2").resolve()
+    assert (home / "include" / "nccl.h").is_file()
+    assert inst.nccl_build({"HOROVOD_GPU_OPERATIONS": "NCCL"}, tmp_path / "work")[1] == 23007
+    assert inst.build_env(None, env)["HOROVOD_NCCL_LINK"] == "SHARED"
+
+
+def test_an_nccl_named_by_the_user_wins_and_a_missing_one_says_how(monkeypatch,
+                                                                  tmp_path) -> None:
+    from harness import install_horovod as inst
+
+    mine = _pip_nccl(tmp_path / "mine", code=22005)
+    env = {"HOROVOD_GPU_ALLREDUCE": "NCCL", "HOROVOD_NCCL_HOME": str(mine)}
+    assert inst.nccl_build(env, tmp_path / "work") == ({}, 22005)
+    monkeypatch.setattr(inst, "pip_nccl", lambda paths=None: None)
+    with pytest.raises(inst.InstallError, match="HOROVOD_NCCL_HOME"):
+        inst.nccl_build({"HOROVOD_GPU_OPERATIONS": "NCCL"}, tmp_path / "work")

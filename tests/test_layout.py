@@ -92,11 +92,24 @@ def test_no_module_asks_to_be_split() -> None:
     assert not {n: s for n, s in sizes.items() if s > MAX_LINES}
 
 
-def test_the_predictor_imports_no_torch() -> None:
-    predict = sorted(n for n in modules() if n.startswith("harness.predict"))
-    code = (f"import sys; import {', '.join(predict)}, harness.simulate, harness.plan; "
-            f"print(sorted(m for m in {NO_TORCH!r} if m in sys.modules))")
+def _loaded_torch(code: str) -> list[str]:
+    """Which of NO_TORCH a fresh interpreter has loaded after running `code`."""
+    code += f"; import sys; print(sorted(m for m in {NO_TORCH!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_predictor_imports_no_torch() -> None:
+    predict = sorted(n for n in modules() if n.startswith("harness.predict"))
+    assert _loaded_torch(f"import {', '.join(predict)}, harness.simulate, harness.plan") == []
+
+
+def test_the_configuration_imports_no_torch() -> None:
+    """harness.config, its modules, and loading a simulated sweep (the simulator's path:
+    every rule checked, methods and models validated from their declared parameters)."""
+    config = sorted(n for n in modules() if n.startswith("harness.config"))
+    assert _loaded_torch(f"import {', '.join(config)}") == []
+    assert _loaded_torch("from harness import config; config.load_all(config.sweep("
+                         "['experiment=paper', 'network=ib100_rdma']), simulate=True)") == []

@@ -6,11 +6,17 @@
 - The backward profiler synchronizes the device before every stamp.
 - The PS pipeline posts per server the control header before the data, from its own
   threads, surfaces their errors on the caller naming the server, and stops them on close.
+- Every thread a method starts sets the rank's device before entering a stream of its
+  own; streams are ordered by events (the gradient's before its piece goes, the layer's
+  update before its next forward); polls sleep tens of microseconds at most.
+- Rank 0's announcements keep bounded bookkeeping; a node's collectives go in the root's
+  order on every worker of the node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from methods import base, layerwise, order, priority
 from methods import ps_node as ps
 from methods.base import GradBuffer, backward_order, until_completed
 from methods.plan import PerTensor
@@ -275,3 +282,269 @@ def test_ps_staging_round_trip_on_the_copy_stream() -> None:
     staging.to_device(0, flat.numel())
     staging.order_after(staging.mark())
     assert torch.equal(flat.cpu(), 2 * torch.arange(1 << 20, dtype=torch.float32))
+
+
+# -- threads, streams and events (issue 28): the GPU-only calls, mocked ---------------------
+
+
+def test_a_method_thread_sets_the_ranks_device_before_entering_its_stream(monkeypatch) -> None:
+    calls: list = []
+    stream = object()
+
+    @contextlib.contextmanager
+    def entered(s):
+        calls.append(("stream", s, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: calls.append(("set_device", d, threading.current_thread().name)))
+    monkeypatch.setattr(torch.cuda, "stream", entered)
+    thread = base.start_thread(lambda: calls.append(("run", None, threading.current_thread().name)),
+                               name="t1", device=torch.device("cuda", 3), stream=stream)
+    thread.join(5)
+    assert calls == [("set_device", torch.device("cuda", 3), "t1"), ("stream", stream, "t1"),
+                     ("run", None, "t1")]
+    calls.clear()
+    base.start_thread(lambda: calls.append(("run", None, "cpu")), name="t2",
+                      device=torch.device("cpu")).join(5)
+    assert calls == [("run", None, "cpu")]  # a CPU rank touches no CUDA at all
+    assert base.side_stream(torch.device("cpu")) is None
+
+
+@contextlib.contextmanager
+def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
+    """`module`'s threads, streams and events, recorded: each stream a token, each event
+    the token of where it was recorded; the threads still run (on the CPU)."""
+    seen: dict = {"threads": [], "waits": [], "events": 0}
+
+    def start(target, *, name, device, stream=None):
+        seen["threads"].append((name, device, stream))
+        return base.start_thread(target, name=name, device=torch.device("cpu"))
+
+    def record(device):
+        seen["events"] += 1
+        return ("event", seen["events"], threading.current_thread().name)
+
+    def wait_for(event, device):
+        if event is not None:
+            seen["waits"].append((threading.current_thread().name, event))
+
+    monkeypatch.setattr(module, "start_thread", start)
+    if hasattr(module, "side_stream"):
+        monkeypatch.setattr(module, "side_stream", lambda device: object())
+    for mod in (module, layerwise):
+        if hasattr(mod, "record"):
+            monkeypatch.setattr(mod, "record", record)
+            monkeypatch.setattr(mod, "wait_for", wait_for)
+    yield seen
+
+
+def test_priority_threads_run_on_streams_of_their_own_ordered_by_events(monkeypatch) -> None:
+    with _cuda_faked(monkeypatch, priority) as seen, _three_layers(credit_elements=1000) as t:
+        _settle(t, 3)
+        # the issuer and the completer, each on a stream of its own, on the buffer's device
+        assert [name for name, _, _ in seen["threads"]] == ["issuer", "completer"]
+        streams = [s for _, _, s in seen["threads"]]
+        assert all(s is not None for s in streams) and streams[0] is not streams[1]
+        assert {d for _, d, _ in seen["threads"]} == {torch.device("cpu")}
+    # the issuer waited for each gradient's event (recorded where it was collected, in
+    # backward) before its piece went; the compute side waited for no communication
+    issued = [e for name, e in seen["waits"] if name == "issuer"]
+    assert len(issued) == 3 and all(e[2] != "issuer" for e in issued)
+    assert not [e for name, e in seen["waits"] if name == "completer"]
+
+
+def test_the_next_forward_waits_for_its_layers_update_event(monkeypatch) -> None:
+    with _cuda_faked(monkeypatch, priority) as seen:
+        model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
+        buffer = GradBuffer(backward_order(model))
+        transport = _GatedTransport()
+        sched = Priority(credit_elements=1000, timeout_s=10)
+        sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes),
+                     transport=transport)
+        sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            sched.synchronize()
+            _settle(transport, 3)
+            _finish_all(transport)
+            sched.drain()
+            updates = [e for e in sched.layers.applied]
+            assert all(e is not None and e[2] == "completer" for e in updates)
+            seen["waits"].clear()
+            model(torch.ones(2, 4))  # the next forward: each layer waits for its own update
+            main = threading.current_thread().name
+            assert [e for name, e in seen["waits"] if name == main] == updates
+        finally:
+            _finish_all(transport)
+            sched.close()
+
+
+def test_ps_threads_start_on_their_jobs_device(monkeypatch) -> None:
+    monkeypatch.setattr(ps.dist, "isend", lambda tensor, *, dst, tag: _Message([], "s", tensor,
+                                                                              dst, tag))
+    monkeypatch.setattr(ps.dist, "irecv", lambda tensor, *, src, tag: _Message([], "r", tensor,
+                                                                              src, tag))
+    with _cuda_faked(monkeypatch, ps) as seen:
+        staging = ps.HostStaging(torch.zeros(8))
+        pipeline = _pipeline()
+        job = ps._Exchange(_parts(), staging=staging, ready=None, timeout_s=5)
+        pipeline.put(job)
+        job.complete()
+        pipeline.stop(5)
+    assert sorted(name for name, _, _ in seen["threads"]) == ["ps-lander", "ps-poster"]
+    assert {d for _, d, _ in seen["threads"]} == {torch.device("cpu")}
+
+
+def test_polls_sleep_at_most_tens_of_microseconds(monkeypatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(base.time, "sleep", pauses.append)
+    work = _Work(polls_left=40)
+    until_completed(work, timeout_s=5, what="unit 0")
+    assert len(pauses) == 40 and max(pauses) == base.POLL_MAX_S <= 50e-6
+
+
+# -- rank 0's announcements: bounded bookkeeping ---------------------------------------------
+
+
+class _Send:
+    """A Gloo send's work: reports completed only once waited on."""
+
+    def __init__(self, log: dict) -> None:
+        self.log, self.waited = log, False
+        log["sent"] += 1
+
+    def is_completed(self) -> bool:
+        self.log["polled"] += 1
+        return self.waited
+
+    def wait(self) -> None:
+        self.waited = True
+        self.log["waited"] += 1
+
+
+def test_order_leader_bookkeeping_stays_bounded_over_5000_announcements(monkeypatch) -> None:
+    log = {"sent": 0, "waited": 0, "polled": 0}
+    monkeypatch.setattr(order.dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(order.dist, "isend", lambda msg, *, dst, group, tag: _Send(log))
+    leader = order.OrderLeader(None)
+    most = 0
+    for i in range(5000):
+        leader.announce([i] if i % 3 else [i, i + 1, i + 2])  # some groups take two messages
+        most = max(most, len(leader.pending))
+    assert most <= order.WINDOW
+    assert log["polled"] == 0  # no pass over the pending sends per announcement
+    assert log["waited"] == log["sent"] - len(leader.pending)
+    leader.close()
+    assert not leader.pending and log["waited"] == log["sent"]
+
+
+def _announce_over_gloo(rank: int, path: str, count: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            leader, most = order.OrderLeader(None), 0
+            for i in range(count):
+                leader.announce([i, i + 1] if i % 7 == 0 else [i])
+                most = max(most, len(leader.pending))
+            leader.close()
+            out["most"] = most
+        else:
+            follower, got = order.OrderFollower(None), []
+            while (group := follower.next()) is not None:
+                got.append(group)
+            out["got"] = got
+    finally:
+        dist.destroy_process_group()
+
+
+def test_order_announcements_over_gloo_arrive_in_order_with_bounded_pending(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    count = 5000
+    with mp.Manager() as manager:
+        results = [manager.dict() for _ in range(2)]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_announce_over_gloo,
+                             args=(r, str(tmp_path / "store"), count, results[r]))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        assert results[0]["most"] <= order.WINDOW
+        assert results[1]["got"] == [[i, i + 1] if i % 7 == 0 else [i] for i in range(count)]
+
+
+# -- one order for the node's collectives ----------------------------------------------------
+
+
+class _Channel:
+    """rank 0's announcements to one follower, in memory (OrderLeader / OrderFollower)."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def leader(self, group):
+        channel = self
+
+        class Leader:
+            def announce(self, units):
+                channel.q.put(list(units))
+
+            def close(self):
+                channel.q.put(None)
+        return Leader()
+
+    def follower(self, group):
+        return type("Follower", (), {"next": lambda _self: self.q.get(timeout=10)})()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def test_every_worker_of_a_node_issues_the_nodes_collectives_in_the_roots_order(
+        monkeypatch) -> None:
+    channel, issued = _Channel(), {True: [], False: []}
+    monkeypatch.setattr(ps, "OrderLeader", channel.leader)
+    monkeypatch.setattr(ps, "OrderFollower", channel.follower)
+    monkeypatch.setattr(ps, "start_thread", lambda target, *, name, device, stream=None:
+                        base.start_thread(target, name=name, device=device))
+
+    def collective(node, kind, chunk):
+        issued[node.is_root].append((kind, int(chunk[0])))
+        return _Done()
+
+    monkeypatch.setattr(ps.Node, "collective", collective)
+    chunks = [torch.full((2,), float(u)) for u in range(3)]
+    root, other = (ps.NodeOrder(ps.Node(rank, 2, ("reduce", "broadcast"))) for rank in (0, 1))
+
+    # the other worker's lander asks for each broadcast at once, its poster for the reduces
+    # a little later; the root broadcasts only after all three reduces (its pulls are slow)
+    def poster():
+        for chunk in chunks:
+            time.sleep(0.05)
+            other.run(ps.REDUCE, chunk, after=None, timeout_s=10)
+
+    def lander():
+        for chunk in chunks:
+            other.run(ps.BROADCAST, chunk, after=None, timeout_s=10)
+
+    threads = [threading.Thread(target=f) for f in (poster, lander)]
+    for t in threads:
+        t.start()
+    for kind in (ps.REDUCE, ps.BROADCAST):
+        for chunk in chunks:
+            root.run(kind, chunk, after=None, timeout_s=10)
+    for t in threads:
+        t.join(10)
+    root.stop(10)
+    other.stop(10)
+    expected = [(kind, u) for kind in (ps.REDUCE, ps.BROADCAST) for u in range(3)]
+    assert issued[True] == expected
+    assert issued[False] == expected  # not the broadcasts first, as this worker asked

@@ -3,15 +3,20 @@ against the study)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
+import pandas as pd
 import pytest
 
 from harness import config
 from harness.measure import results
-from harness.predict import model, network
+from harness.predict import model, network, sweep
 from harness.predict.profile import Compute
 from methods.costmodel import Cost
 from methods.plan import PerTensor
-from tests.conftest import run_module
+from tests.conftest import REPO, run_module
 
 ALPHA, BETA = 1e-3, 1e-8  # s, s/byte: 100 MB/s links
 
@@ -169,6 +174,41 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
     out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
     assert out.returncode == 0, out.stderr
     assert (plots / "fig_bert_tiny.png").exists()
+
+
+def test_the_best_method_of_a_cell_names_its_ties_and_its_margin() -> None:
+    frame = pd.DataFrame({
+        "model": ["m"] * 5, "network": ["n"] * 5, "world_size": [1, 1, 8, 8, 8],
+        "method": ["a", "b", "a", "b", "c"], "nodes": [1, 1, 2, 2, 1],
+        "workers_per_node": [1, 1, 4, 4, 8], "throughput": [10.0, 10.0, 50.0, 40.0, 60.0],
+        "speedup": [1.0] * 5, "bottleneck": ["compute"] * 5})
+    best = sweep.best(frame)
+    assert best.method.tolist() == ["a", "c"] and best.tied.tolist() == ["a=b", "c"]
+    assert best.runner_up.tolist() == ["b", "a"]
+    assert best.margin_pct.tolist() == pytest.approx([0.0, 20.0])
+    assert (best.nodes.tolist(), best.workers_per_node.tolist()) == ([1, 1], [1, 8])
+    assert sweep.summary(best) == "  m on n (GPUs: best method): 1 a=b, 8 c"
+
+
+def test_a_big_sweep_says_how_far_it_is_and_the_best_method_per_cell(tmp_path) -> None:
+    """The what-if sweep on one model and network: a row per configuration in one shard,
+    progress instead of a line each, the best methods beside the shard; from the study's
+    GPU and a warm cache, no torch."""
+    args = ["experiment=whatif", "model=resnet50", "network=ib100_rdma"]
+    for run in range(2):  # the first may fill the cache of FLOP counts (torch)
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness.simulate",
+                              *args, f"results_dir={tmp_path / str(run)}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert not [line for line in out.stderr.splitlines()
+                if re.search(r"\b(torch|torchvision|transformers)\b", line)]
+    frame = results.load(tmp_path / "1")
+    assert len(frame) == 9 * 124 and set(frame.source) == {"simulated"}
+    assert "simulated 1116/1116 configurations (100%)" in out.stdout
+    assert not re.search(r"^\[\d+/1116\]", out.stdout, re.M)  # no line per configuration
+    best = pd.read_csv(next((tmp_path / "1").glob("sim-*_best.csv")))
+    assert len(best) == frame.world_size.nunique()
+    assert re.search(r"^  resnet50 on ib100_rdma \(GPUs: best method\): 1 ", out.stdout, re.M)
 
 
 def test_the_cache_keeps_a_result_and_a_cache_it_cannot_write_is_no_error(tmp_path,

@@ -269,3 +269,73 @@ def test_a_configuration_done_natively_is_not_done_on_horovod(tmp_path) -> None:
     assert done == {submit.identity(cfg): 1}
     cfg.engine = "horovod"
     assert submit.identity(cfg) not in done
+
+
+# -- GPUs for workers only (issue 28) ---------------------------------------------------------
+
+def test_dedicated_server_nodes_ask_for_no_gpus_in_a_heterogeneous_job(tmp_path) -> None:
+    out = _submit(None, *SMOKE, "method=bsp_ps", "cluster.nodes=2", "cluster.workers_per_node=2",
+                  "cluster.slurm.colocate_servers=false", "cluster.slurm.gpus_per_node=2",
+                  "cluster.slurm.cpus_per_task=2", "dry_run=true", f"results_dir={tmp_path}",
+                  f"cluster.slurm.jobs_dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    script = out.stdout.split("=== heterogeneous jobs DRY-RUN-n2x2g2+s2n2: 1 tasks")[1]
+    workers, servers = script.split("#SBATCH hetjob\n")
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in workers
+    assert "#SBATCH --gpus-per-node=2" in workers and "#SBATCH --array" not in workers
+    servers = servers.split("set -euo")[0]
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks=2\n" in servers
+    assert "--gpus" not in servers and "#SBATCH --cpus-per-task=2" in servers
+    assert "step=(--het-group=0,1)" in script and 'bash -c "$rank_env" rank' in script
+
+
+def test_co_located_servers_stay_an_array_and_bind_each_worker_a_gpu(tmp_path) -> None:
+    out = _submit(None, *SMOKE, "method=bsp_ps", "cluster.nodes=2", "cluster.workers_per_node=2",
+                  "cluster.slurm.gpus_per_node=2", "dry_run=true", f"results_dir={tmp_path}",
+                  f"cluster.slurm.jobs_dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "=== array DRY-RUN-n2x3g2: 1 tasks" in out.stdout and "hetjob" not in out.stdout
+    assert "#SBATCH --array=0-0" in out.stdout and "--distribution=arbitrary" in out.stdout
+
+
+def _rank_env(**env: str) -> str:
+    out = subprocess.run(["bash", "-c", arrays.RANK_ENV, "rank", "bash", "-c",
+                          'echo "${RANK-}|${LOCAL_RANK-}|${CUDA_VISIBLE_DEVICES-unset}"'],
+                         env={"PATH": "/usr/bin:/bin", "DDLBENCH_WORKERS": "3", **env},
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_each_worker_task_sees_one_gpu_and_each_server_none() -> None:
+    gpus = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # the node's GPUs of the step
+    assert _rank_env(SLURM_PROCID="1", SLURM_LOCALID="1", **gpus) == "||5"
+    assert _rank_env(SLURM_PROCID="2", SLURM_LOCALID="0", **gpus) == "||4"  # node 1's first
+    assert _rank_env(SLURM_PROCID="3", SLURM_LOCALID="2", **gpus) == "||"  # a server
+    assert _rank_env(SLURM_PROCID="0", SLURM_LOCALID="3", CUDA_VISIBLE_DEVICES="0,1") \
+        == "||none"  # no GPU at its place: the rank says so at start
+    assert _rank_env(SLURM_PROCID="0", SLURM_LOCALID="0") == "||unset"  # a CPU run
+    # a heterogeneous step: the rank from the step, over both components
+    assert _rank_env(SLURM_PROCID="4", SLURM_LOCALID="0", WORLD_SIZE="6") == "4|0|unset"
+
+
+def test_heterogeneous_jobs_are_submitted_once_per_task(monkeypatch, tmp_path) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(arrays, "slurm_command",
+                        lambda argv: calls.append(argv) or f"{100 + len(calls)}\n")
+    monkeypatch.setattr(submit, "sbatch", arrays.sbatch)
+    tasks = submit.load_tasks(["cluster=slurm", "experiment=smoke", "method=bsp_ps,wfbp_ps",
+                               "cluster.workers_per_node=1", "cluster.nodes=2",
+                               "cluster.slurm.colocate_servers=false",
+                               "cluster.slurm.gpus_per_node=2", f"results_dir={tmp_path}",
+                               f"cluster.slurm.jobs_dir={tmp_path}"])
+    submit.check_gpus(tasks, partition_gpus=2, label="p")
+    assert len(tasks) == 2 and all(t.shape.hetero for t in tasks)
+    assert len(arrays.group(tasks)) == 1  # one shape, one script, a job per task
+    assert submit._submit(arrays.group(tasks), []) == 0
+    assert len(calls) == len(tasks)
+    for i, argv in enumerate(calls):
+        assert argv[:2] == ["sbatch", "--parsable"] and argv[-1] == str(i)
+        assert argv[2].startswith("--output=") and argv[2].endswith(f"/logs/%j_{i}.out")
+    script = Path(calls[0][-2])
+    assert (script.parent / "workers.txt").read_text() == "2\n2\n"

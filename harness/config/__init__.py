@@ -1,6 +1,8 @@
-"""The configuration room: composition and sweeps (compose), typed schemas (schema),
-input checks (checks), who the ranks are (ranks), what engine=horovod needs (engine)
-and the cache of compositions and model facts (cache). Nothing here starts a process.
+"""The configuration room: composition and sweeps (compose), typed schemas (schema), the
+rules every configuration keeps (rules), input checks (checks), read-only configurations
+of simulated sweeps (frozen), who the ranks are (ranks), what engine=horovod needs
+(engine) and the cache of compositions and model facts (cache). Nothing here starts a
+process, and nothing here imports torch.
 
 The composition's public functions are re-exported here, so commands say
 `config.load(...)`."""
@@ -13,9 +15,9 @@ from harness.config.compose import (
     load,
     load_all,
     sweep,
-    to_json,
-    validate,
 )
+from harness.config.frozen import Config, Frozen, thaw, to_json
+from harness.config.rules import validate
 from harness.config.schema import (
     CONF_DIR,
     ConfigError,
@@ -25,6 +27,6 @@ from harness.config.schema import (
     resolve_device,
 )
 
-__all__ = ["CONF_DIR", "ConfigError", "choices", "compose_raw", "expand", "first_line",
-           "from_json", "is_real_network", "load", "load_all", "resolve_backend",
-           "resolve_device", "sweep", "to_json", "validate"]
+__all__ = ["CONF_DIR", "Config", "ConfigError", "Frozen", "choices", "compose_raw", "expand",
+           "first_line", "from_json", "is_real_network", "load", "load_all", "resolve_backend",
+           "resolve_device", "sweep", "thaw", "to_json", "validate"]

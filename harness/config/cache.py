@@ -23,6 +23,7 @@ def directory() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddlbench"
 
 
+@functools.cache  # reading a package's metadata takes milliseconds; it stays put
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -30,9 +31,10 @@ def _version(dist: str) -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def _digest(source: tuple[str, str]) -> str:
-    """The content of the files `pattern` matches in the project folder `folder`."""
+    """The content of the files `pattern` matches in the project folder `folder`
+    (`source`: (folder, pattern))."""
     folder, pattern = source
     digest = hashlib.sha256()
     for path in sorted((ROOT / folder).glob(pattern)):
@@ -41,12 +43,13 @@ def _digest(source: tuple[str, str]) -> str:
 
 
 def cached(kind: str, key: object, make: Callable[[], dict], *,
-           source: tuple[str, str] = MODELS, libraries: tuple[str, ...] = MODEL_LIBRARIES
-           ) -> dict:
+           sources: tuple[tuple[str, str], ...] = (MODELS,),
+           libraries: tuple[str, ...] = MODEL_LIBRARIES) -> dict:
     """`make()`, or what it returned before for the same `kind`, `key` (JSON-able), files of
-    `source` (folder, glob pattern) and versions of `libraries`."""
+    `sources` (each a folder and a glob pattern) and versions of `libraries` (read from
+    their installed metadata: nothing is imported)."""
     versions = {d: _version(d) for d in libraries}
-    text = json.dumps([key, versions, _digest(source)], sort_keys=True)
+    text = json.dumps([key, versions, [_digest(s) for s in sources]], sort_keys=True)
     path = directory() / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     if path.exists():
         try:

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from harness.config.frozen import Config, select, thaw
 from harness.config.ranks import external_rank, num_servers, num_workers
 from harness.config.schema import (
     CONF_DIR,
@@ -71,17 +72,17 @@ def available_mb() -> float | None:
     return None
 
 
-def processes(cfg: DictConfig) -> tuple[int, int]:
+def processes(cfg: Config) -> tuple[int, int]:
     """(workers, parameter servers) of the run."""
     return num_workers(cfg), num_servers(cfg)
 
 
-def spawns_here(cfg: DictConfig) -> bool:
+def spawns_here(cfg: Config) -> bool:
     """Whether the harness itself starts every process of the run on this machine."""
     return cfg.cluster.name in ("local", "emulated") and external_rank() is None
 
 
-def check_cluster(cfg: DictConfig) -> None:
+def check_cluster(cfg: Config) -> None:
     """Rules no override lifts: the port, the fault's rank, the emulated subnet."""
     port = cfg.cluster.master_port
     if not 0 <= port <= 65535:
@@ -106,14 +107,13 @@ def allreduce_methods() -> list[str]:
                   if OmegaConf.select(OmegaConf.load(p), "transport.name") == "allreduce")
 
 
-def check_engine(cfg: DictConfig) -> None:
+def check_engine(cfg: Config) -> None:
     """The engine is known and fits the method: Horovod runs all-reduce methods only, with
     sane settings, and must load here (harness.config.engine.problem)."""
     import methods
     from harness.config import engine as horovod
 
-    method = OmegaConf.to_container(cfg.method, resolve=True)
-    transport = method["transport"]["name"]
+    transport = cfg.method.transport.name
     if cfg.engine not in ENGINES:
         raise ConfigError(f"engine={cfg.engine!r} is unknown; choose one of: {', '.join(ENGINES)}")
     if transport == "horovod":
@@ -129,7 +129,7 @@ def check_engine(cfg: DictConfig) -> None:
                           f"{', '.join(allreduce_methods())}")
     _check_horovod_settings(cfg.method.horovod)
     try:
-        methods.check(methods.on_engine(method, cfg.engine))
+        methods.check(methods.on_engine(thaw(cfg.method), cfg.engine))
     except (ValueError, KeyError) as exc:
         raise ConfigError(first_line(exc)) from None
     reason = horovod.problem(device=resolve_device(cfg.cluster))
@@ -137,7 +137,7 @@ def check_engine(cfg: DictConfig) -> None:
         raise ConfigError(reason)
 
 
-def _check_horovod_settings(settings: DictConfig) -> None:
+def _check_horovod_settings(settings: Config) -> None:
     if settings.fusion_threshold_bytes < 0:
         raise ConfigError(f"method.horovod.fusion_threshold_bytes={settings.fusion_threshold_bytes}"
                           " is invalid; it must be >= 0 (0: no fusion)")
@@ -146,13 +146,13 @@ def _check_horovod_settings(settings: DictConfig) -> None:
                           "must be > 0 (Horovod's default of the study's time: 0.005)")
 
 
-def check_fit(cfg: DictConfig, *, local: bool) -> None:
+def check_fit(cfg: Config, *, local: bool) -> None:
     """Machine-fit limits, lifted by run.force=true: sane counts and sizes; with `local`
     (this machine runs every process), threads, processes and memory."""
     if cfg.run.force:
         return
     for name, limit in BOUNDS.items():
-        value = OmegaConf.select(cfg, name)
+        value = select(cfg, name)
         if value > limit:
             raise ConfigError(f"{name}={value} is above the limit of {limit}; lower it, or {FORCE}")
     if not local:
@@ -245,9 +245,9 @@ def is_a(value: Any, kind: type) -> bool:
     return isinstance(value, (int, float) if kind is float else kind)
 
 
-def check_network(network: DictConfig) -> None:
+def check_network(network: Config) -> None:
     """Every key of the profile is known and typed; a real network's facts are numbers."""
-    net = OmegaConf.to_container(network, resolve=True)
+    net = thaw(network)
     for key, value in net.items():
         if key not in NETWORK_KEYS:
             raise ConfigError(f"network.{key} is not a key of a network profile; "

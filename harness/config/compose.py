@@ -3,18 +3,22 @@
 Every command composes conf/bench.yaml with the user's overrides through Hydra's
 Compose API, expands sweeps (comma lists, `hydra.sweeper.params` of an
 experiment) into one override list per job, and checks each composed config
-against typed schemas and the rules below. A `ConfigError` carries a one-line
-message naming the bad value and the fix; entry points print it and exit 2.
+against typed schemas and the rules of harness/config/rules.py. A `ConfigError`
+carries a one-line message naming the bad value and the fix; entry points print it
+and exit 2. A simulated sweep's jobs load as read-only Frozen configurations
+(harness/config/frozen.py), thousands a second.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
-import inspect
 import itertools
 import os
+import typing
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -24,14 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from harness.config import cache, checks
-from harness.config.schema import (
-    CONF_DIR,
-    GROUPS,
-    OPTIMIZERS,
-    BenchConf,
-    ConfigError,
-    first_line,
-)
+from harness.config.frozen import Frozen, assign, freeze, select, thaw
+from harness.config.rules import validate
+from harness.config.schema import CONF_DIR, GROUPS, BenchConf, ConfigError, first_line
 
 
 def choices(group: str) -> list[str]:
@@ -39,7 +38,17 @@ def choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_one(override: str):
+    """Hydra's parse of one override (about 1 ms: a sweep's jobs repeat the same few)."""
+    return OverridesParser.create().parse_overrides([override])[0]
+
+
 def _parse(overrides: list[str]) -> list:
+    try:
+        return [_parse_one(o) for o in overrides]
+    except Exception:  # noqa: BLE001 - a bad one: parsed again below for Hydra's message
+        pass
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
@@ -72,12 +81,16 @@ def _compose(overrides: tuple[str, ...], hydra_node: bool) -> DictConfig:
     """Hydra's compose. It takes ~0.2 s, so each distinct one is done once per process, and
     once for as long as conf/ and Hydra stay the same (harness/cache.py): the paper sweep
     composes 12 times. Hydra's node records the working directory, so it keys that too."""
-    key = [list(overrides), hydra_node, os.getcwd() if hydra_node else None]
-    cfg = OmegaConf.create(cache.cached(
-        "compose", key, lambda: _hydra_compose(overrides, hydra_node),
-        source=("conf", "**/*.yaml"), libraries=("hydra-core", "omegaconf")))
+    cfg = OmegaConf.create(_composed(overrides, hydra_node))
     OmegaConf.set_struct(cfg, True)  # as Hydra leaves it: unknown keys are errors
     return cfg
+
+
+def _composed(overrides: tuple[str, ...], hydra_node: bool) -> dict:
+    """Hydra's compose as a container, from the cache when there."""
+    key = [list(overrides), hydra_node, os.getcwd() if hydra_node else None]
+    return cache.cached("compose", key, lambda: _hydra_compose(overrides, hydra_node),
+                        sources=(("conf", "**/*.yaml"),), libraries=("hydra-core", "omegaconf"))
 
 
 def _hydra_compose(overrides: tuple[str, ...], hydra_node: bool) -> dict:
@@ -126,8 +139,7 @@ def expand(overrides: list[str]) -> list[list[str]]:
     parsed = _parse(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     sweeps = {o.key_or_group: _values(o.input_line) for o in parsed if o.is_sweep_override()}
-    base = compose_raw(fixed, hydra_node=True)
-    params = dict(base.hydra.sweeper.get("params") or {})
+    params = dict(_sweeper(fixed).get("params") or {})
     given = {o.key_or_group for o in parsed}
     swept = {k: _values(f"{k}={v}") for k, v in params.items() if k not in given}
     swept.update(sweeps)
@@ -136,41 +148,46 @@ def expand(overrides: list[str]) -> list[list[str]]:
             for combo in itertools.product(*(swept[k] for k in keys))]
 
 
+def _sweeper(overrides: list[str]) -> dict:
+    """The `hydra.sweeper` node of the composition of `overrides`, as data (no
+    DictConfig of Hydra's whole node is made to read it)."""
+    _check_choices(overrides)
+    return _composed(tuple(overrides), True)["hydra"]["sweeper"]
+
+
 def sweep(overrides: list[str]) -> list[list[str]]:
     """Every job of a sweep: the main product, then each `hydra.sweeper.extra` product.
 
     Keys given in `overrides` win over both; duplicates are dropped.
     """
     jobs = expand(overrides)
-    base = compose_raw([o for o in overrides if "," not in o], hydra_node=True)
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    for entry in base.hydra.sweeper.get("extra") or []:
+    for entry in _sweeper([o for o in overrides if "," not in o]).get("extra") or []:
         extra = [f"{k}={v}" for k, v in entry.items() if k not in given]
         jobs += expand([*overrides, *extra])
-    unique: list[list[str]] = []
-    for job in jobs:
-        if job not in unique:
-            unique.append(job)
-    return unique
+    return [list(job) for job in dict.fromkeys(map(tuple, jobs))]
 
 
-def load(overrides: list[str], *, simulate: bool = False) -> DictConfig:
+def load(overrides: list[str], *, simulate: bool = False) -> DictConfig | Frozen:
     """Compose one job's config, apply the schema and check every rule.
 
     `simulate`: the job is only simulated (harness.simulate), so it may name a real
-    network and an emulated cluster need not be makeable here.
+    network and an emulated cluster need not be makeable here; its config is Frozen.
     """
     return load_all([overrides], simulate=simulate)[0]
 
 
-def load_all(jobs: list[list[str]], *, simulate: bool = False) -> list[DictConfig]:
+def load_all(jobs: list[list[str]], *, simulate: bool = False) -> list[DictConfig] | list[Frozen]:
     """`load` of every job, composing as little as possible (Hydra takes ~0.2 s a compose).
 
     Jobs of a sweep share a context (experiment, fixed overrides) and differ in group
     choices (model=..., method=...) and plain values (cluster.nodes=4). Each context is
     composed once, each group choice once within it (its subtree is spliced in), and
-    plain values are set last, as Hydra sets them after composing.
+    plain values are set last, as Hydra sets them after composing. With `simulate` every
+    job is a Frozen configuration: `_load_frozen`.
     """
+    if simulate:
+        return _load_frozen(jobs)
     composed: dict[tuple[str, ...], DictConfig] = {}
 
     def typed(overrides: tuple[str, ...]) -> DictConfig:
@@ -187,16 +204,145 @@ def load_all(jobs: list[list[str]], *, simulate: bool = False) -> list[DictConfi
         cfg = copy.deepcopy(typed(context))
         for o in choices:
             cfg[o.key_or_group] = typed((*context, o.input_line))[o.key_or_group]
-        for o in plain:
-            if OmegaConf.select(cfg, o.key_or_group, default=_ABSENT) is _ABSENT:
-                    raise ConfigError(checks.unknown_key(o.key_or_group, cfg))
-            _schema_errors(OmegaConf.update, cfg, o.key_or_group, o.value(), merge=False)
+        _set_plain(cfg, plain)
         validate(cfg, simulate=simulate)
         out.append(cfg)
     return out
 
 
+def _set_plain(cfg: DictConfig, plain: list) -> None:
+    """Set the plain values on `cfg`, typed by its schema."""
+    for o in plain:
+        if OmegaConf.select(cfg, o.key_or_group, default=_ABSENT) is _ABSENT:
+            raise ConfigError(checks.unknown_key(o.key_or_group, cfg))
+        _schema_errors(OmegaConf.update, cfg, o.key_or_group, o.value(), merge=False)
+
+
 _ABSENT = object()
+
+
+# -- a simulated sweep: Frozen configurations ---------------------------------------------
+
+def _load_frozen(jobs: list[list[str]]) -> list[Frozen]:
+    """Every job as a Frozen configuration, checked by every rule.
+
+    Each distinct group choice is composed and typed once (and kept in the cache as
+    data); a job is its group's tree with its plain values set, sharing every subtree it
+    does not change, and the rules check each shared subtree once. A job whose plain
+    values the schema alone cannot type (a key the tree lacks, an interpolation) loads
+    as `load_all` loads a run's, then freezes.
+    """
+    groups: dict[tuple, Frozen] = {}
+    checked: set = set()
+    out = []
+    for job in jobs:
+        _parse(job)  # Hydra's message for a list with a bad override
+        kinds = [_kind(o) for o in job]
+        plain = [o for o, kind in zip(job, kinds) if kind == "plain"]
+        choices = tuple(o for o, kind in zip(job, kinds) if kind == "choice")
+        context = tuple(o for o, kind in zip(job, kinds) if kind == "context")
+        if (context, choices) not in groups:
+            groups[context, choices] = _group_tree(context, choices)
+        cfg = groups[context, choices]
+        for override in plain:
+            typed = _typed_value(override)
+            if typed is None or select(cfg, typed[0], _ABSENT) is _ABSENT:
+                cfg = _frozen_slowly(context, choices, plain)
+                break
+            cfg = assign(cfg, *typed)
+        validate(cfg, simulate=True, checked=checked)
+        out.append(cfg)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(override: str) -> str:
+    """"plain", "choice" or "context" (everything else: the experiment, additions, ...)."""
+    parsed = _parse_one(override)
+    return "plain" if _is_plain(parsed) else "choice" if _is_choice(parsed) else "context"
+
+
+def _group_tree(context: tuple[str, ...], choices: tuple[str, ...]) -> Frozen:
+    """The typed tree of `context` with each group choice's subtree spliced in."""
+    tree = dict(_typed_tree(context))
+    for choice in choices:
+        group = choice.split("=", 1)[0]
+        tree[group] = _typed_tree((*context, choice))[group]
+    return freeze(tree)
+
+
+@functools.lru_cache(maxsize=256)
+def _typed_tree(overrides: tuple[str, ...]) -> dict:
+    """`_typed(compose_raw(overrides))` as a container, kept in the cache (the typing takes
+    ~60 ms) for as long as conf/, the schema, Hydra and omegaconf stay the same."""
+    def typed() -> dict:
+        return thaw(_typed(compose_raw(list(overrides))))
+
+    return cache.cached("typed", list(overrides), typed,
+                        sources=(("conf", "**/*.yaml"), ("harness/config", "schema.py")),
+                        libraries=("hydra-core", "omegaconf"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _typed_value(override: str) -> tuple[str, Any] | None:
+    """(key, value) of a plain override as the schema types it (a typed field converted,
+    ConfigError if it cannot be; a free-form key's value as given), or None where only
+    the whole configuration can tell (a key below a null field, an interpolation)."""
+    parsed = _parse_one(override)
+    key, value = parsed.key_or_group, parsed.value()
+    if "${" in repr(value):
+        return None
+    kind = _schema_kind(key)
+    if kind == "free":
+        return key, value
+    if kind != "typed":
+        return None
+    _schema_errors(OmegaConf.update, _scratch(), key, value, merge=False)
+    return key, thaw(OmegaConf.select(_scratch(), key))
+
+
+def _schema_kind(key: str) -> str:
+    """"typed": a field of the schema's dataclasses (or a whole free-form mapping);
+    "free": a key inside a free-form mapping (model.build, method.*, network,
+    simulate.gpus), whose value is kept as given; "unknown": anything else (a key below a
+    field that is null by default, or none of the schema's)."""
+    node: Any = BenchConf
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hint = _hints(node).get(part)
+        last = i == len(parts) - 1
+        if hint is None:
+            return "unknown"
+        if last:
+            return "typed"
+        if typing.get_origin(hint) is dict:
+            return "free"
+        if not dataclasses.is_dataclass(hint):
+            return "unknown"
+        node = hint
+    return "unknown"
+
+
+@functools.cache
+def _hints(dataclass: type) -> dict[str, Any]:
+    return typing.get_type_hints(dataclass) if dataclasses.is_dataclass(dataclass) else {}
+
+
+@functools.cache
+def _scratch() -> DictConfig:
+    """A typed configuration to convert plain values on (each conversion sets one field)."""
+    return OmegaConf.structured(BenchConf)
+
+
+def _frozen_slowly(context: tuple[str, ...], choices: tuple[str, ...], plain: list[str]
+                   ) -> Frozen:
+    """One job composed as a run's is (`load_all`'s own path), then frozen."""
+    cfg = _typed(compose_raw(list(context)))
+    for choice in choices:
+        group = choice.split("=", 1)[0]
+        cfg[group] = _typed(compose_raw([*context, choice]))[group]
+    _set_plain(cfg, _parse(plain))
+    return freeze(thaw(cfg))
 
 
 def _is_choice(override) -> bool:
@@ -228,129 +374,6 @@ def _schema_errors(func, *args, **kwargs):
         if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and key:
             raise ConfigError(checks.unknown_key(key, OmegaConf.structured(BenchConf))) from None
         raise ConfigError(f"{key}: {msg}" if key else msg) from None
-
-
-def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{name}={value} is invalid; it must be {bound}")
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is invalid; choose one of: {', '.join(allowed)}")
-
-
-def validate(cfg: DictConfig, *, simulate: bool = False) -> None:
-    """Raise ConfigError for the first rule `cfg` breaks (`simulate`: see `load`)."""
-    for name in ("model.local_batch_size", "cluster.nodes", "cluster.workers_per_node",
-                 "run.timed_iters", "run.repeats", "run.timeout_s", "verify.steps"):
-        _positive(name, OmegaConf.select(cfg, name))
-    for name in ("run.warmup_iters", "run.threads", "verify.atol", "verify.rtol"):
-        _positive(name, OmegaConf.select(cfg, name), zero_ok=True)
-    _positive("microbench.repeats", cfg.microbench.repeats)
-    if not 4 <= cfg.microbench.min_bytes <= cfg.microbench.max_bytes:
-        raise ConfigError(f"microbench.min_bytes={cfg.microbench.min_bytes} and max_bytes="
-                          f"{cfg.microbench.max_bytes} are invalid; need 4 <= min <= max")
-    if cfg.cluster.servers is not None:
-        _positive("cluster.servers", cfg.cluster.servers, zero_ok=True)
-    _one_of("cluster.device", cfg.cluster.device, ("auto", "cpu", "cuda"))
-    _one_of("cluster.backend", cfg.cluster.backend, ("auto", "gloo", "nccl"))
-    _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
-    _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
-    _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
-    _check_model(cfg.model)
-    _check_method(cfg.method)
-    _check_servers(cfg.method, cfg.cluster)
-    checks.check_cluster(cfg)
-    checks.check_engine(cfg)
-    checks.check_network(cfg.network)
-    checks.output_dir("results_dir", cfg.results_dir)
-    if simulate:  # only measured compute runs processes here (as many as the run has)
-        _check_simulate(cfg)
-        checks.check_fit(cfg, local=cfg.simulate.compute == "measured" and checks.spawns_here(cfg))
-        return
-    checks.check_fit(cfg, local=checks.spawns_here(cfg))
-    checks.check_devices(cfg.cluster, local=checks.spawns_here(cfg))
-    checks.check_links(cfg)
-
-
-def _check_model(model: DictConfig) -> None:
-    import methods
-    import models
-
-    if model.family not in models.FAMILIES:
-        raise ConfigError(f"model.family={model.family!r} is unknown; "
-                          f"choose one of: {', '.join(sorted(models.FAMILIES))}")
-    family = models.family_class(model.family)
-    accepted = inspect.signature(family).parameters
-    for key, value in model.build.items():
-        if key not in accepted:
-            raise ConfigError(f"model.build.{key} is not an argument of the {model.family} "
-                              f"family; it takes: {', '.join(accepted)}")
-        expected = methods.wrong_type(family, key, value)
-        if expected:
-            raise ConfigError(f"model.build.{key}={value!r} is invalid; it must be {expected}")
-
-
-def _check_method(method: DictConfig) -> None:
-    import methods
-
-    try:
-        methods.check(OmegaConf.to_container(method, resolve=True))
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(first_line(exc, type(exc).__name__)) from None
-
-
-def _check_servers(method: DictConfig, cluster: DictConfig) -> None:
-    """A parameter-server method needs at least one server, unless it runs on one node with
-    node-local aggregation: then it has none (as BytePS on one machine)."""
-    import methods
-
-    if method.transport.get("name") != "ps" or cluster.servers is None:
-        return
-    if not methods.uses_servers(method, nodes=cluster.nodes):
-        if cluster.servers:
-            raise ConfigError(
-                f"method {method.name!r} on cluster.nodes=1 runs without parameter servers "
-                f"(node-local aggregation: BytePS on one machine all-reduces), but "
-                f"cluster.servers={cluster.servers}; drop cluster.servers, or set "
-                "method.transport.local_reduce=false to push every worker's gradients to them")
-    elif cluster.servers == 0:
-        raise ConfigError(f"method {method.name!r} uses parameter servers but cluster.servers=0; "
-                          "set cluster.servers >= 1, or null for one per node")
-
-
-def _check_simulate(cfg: DictConfig) -> None:
-    sim = cfg.simulate
-    for name in ("simulate.profile_iters", "simulate.iterations"):
-        _positive(name, OmegaConf.select(cfg, name))
-    for gpus in sim.calibrate_gpus or []:
-        if gpus < 2:
-            raise ConfigError(f"simulate.calibrate_gpus has {gpus}; fit on GPU counts above 1 "
-                              "(one GPU sends nothing), e.g. simulate.calibrate_gpus=[4]")
-    rate = cfg.network.get("rate_mbit")
-    if rate is not None:
-        _positive("network.rate_mbit", rate)
-    if sim.compute == "measured":
-        return
-    if sim.compute not in sim.gpus:
-        raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose measured or a "
-                          f"GPU of simulate.gpus: {', '.join(sim.gpus) or 'none defined'}")
-    if cfg.model.name not in sim.gpus[sim.compute]:
-        raise ConfigError(f"simulate.gpus.{sim.compute} has no 1-GPU throughput of model "
-                          f"{cfg.model.name!r}; add simulate.gpus.{sim.compute}."
-                          f"{cfg.model.name}=<samples/s> or use simulate.compute=measured")
-    throughput = sim.gpus[sim.compute][cfg.model.name]
-    if isinstance(throughput, bool) or not isinstance(throughput, (int, float)) or throughput <= 0:
-        raise ConfigError(f"simulate.gpus.{sim.compute}.{cfg.model.name}={throughput!r} is "
-                          "invalid; it must be a number of samples/s > 0")
-
-
-def to_json(cfg: DictConfig) -> str:
-    import json
-
-    return json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True)
 
 
 def from_json(text: str) -> DictConfig:

@@ -9,14 +9,14 @@ import shutil
 import subprocess
 from collections.abc import Mapping, MutableMapping
 
-from omegaconf import DictConfig
+from harness.config.frozen import Config
 
 # Slurm's step ids from here up are not srun steps: the batch script, the extern step,
 # salloc's interactive shell (SLURM_MAX_NORMAL_STEP_ID of slurm.h)
 MAX_NORMAL_STEP_ID = 0xFFFFFFF0
 
 
-def num_servers(cfg: DictConfig) -> int:
+def num_servers(cfg: Config) -> int:
     """Parameter-server processes the run needs: only PS methods have any, and none on one
     node with node-local aggregation (methods.uses_servers)."""
     import methods
@@ -26,11 +26,11 @@ def num_servers(cfg: DictConfig) -> int:
     return cfg.cluster.nodes if cfg.cluster.servers is None else cfg.cluster.servers
 
 
-def num_workers(cfg: DictConfig) -> int:
+def num_workers(cfg: Config) -> int:
     return cfg.cluster.nodes * cfg.cluster.workers_per_node
 
 
-def host_of(cfg: DictConfig, rank: int) -> int:
+def host_of(cfg: Config, rank: int) -> int:
     """The node a rank runs on: workers fill nodes in order, each server has a node of its own."""
     workers = num_workers(cfg)
     return rank // cfg.cluster.workers_per_node if rank < workers else cfg.cluster.nodes + (
@@ -153,7 +153,7 @@ def _slurm_local_tasks(env: Mapping[str, str]) -> int:
     return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
 
 
-def torch_threads(cfg: DictConfig, local_world_size: int, *, placed: bool = False) -> int:
+def torch_threads(cfg: Config, local_world_size: int, *, placed: bool = False) -> int:
     """Threads of one rank: run.threads, else the CPUs srun gave this task (not divided
     again), else this machine's cores shared by its local processes."""
     if cfg.run.threads:

@@ -1,7 +1,8 @@
 """The sweeper of conf/hydra/sweeper/union.yaml: a sweep that is a union of products,
 `params` (as Hydra's basic sweeper) plus one more product per entry of `extra`.
-`config.expand` runs the same union for every command; this class gives Hydra's own
-multirun (`python -m harness.run -m ... hydra/launcher=...`) the same jobs."""
+`config.sweep` runs the same union for harness.submit and harness.simulate; this class
+gives Hydra's own multirun (`python -m harness.run -m ... hydra/launcher=...`) the same
+jobs (plain `harness.run` expands the main product only: `config.expand`)."""
 
 from __future__ import annotations
 

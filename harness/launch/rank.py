@@ -2,6 +2,13 @@
 torchrun's or srun's), pick the rank's device and groups, run the entry's `worker(cfg,
 ctx)`, report a failure as data and end with `os._exit` after an explicit teardown.
 
+Ranks [0, workers) are workers, the rest parameter servers, and worker r belongs to node
+r // workers_per_node. The local launcher places them so. Under torchrun or srun the
+launcher placed them: right after the rendezvous every rank tells the others its host,
+its launcher's local rank and the GPUs its task sees (`Seat`), and `placed_devices`
+checks that layout and gives each worker its GPU, failing on every rank, naming the rank
+and host, where the layout cannot be honoured.
+
 Locally spawned ranks run `python -m harness.launch.rank <entry> <config.json>`; under
 torchrun or srun, harness.launch.launcher calls `run_rank` in the process itself.
 """
@@ -12,6 +19,7 @@ import datetime as dt
 import importlib
 import itertools
 import os
+import socket
 import sys
 import traceback
 import uuid
@@ -82,6 +90,91 @@ def pick_device(device_type: str, *, worker: bool, local_rank: int, visible: int
     return torch.device("cuda", local_rank)
 
 
+@dataclass(frozen=True)
+class Seat:
+    """Where a launcher (torchrun, srun) put one rank."""
+
+    rank: int
+    host: str
+    local_rank: int  # the launcher's (LOCAL_RANK, SLURM_LOCALID)
+    worker: bool
+    gpus: tuple[str, ...] = ()  # the GPUs its task sees: CUDA_VISIBLE_DEVICES entries, or indices
+
+
+def my_seat(*, rank: int, local_rank: int, worker: bool, device_type: str) -> Seat:
+    """This process's seat (the GPUs only for a worker of a GPU run)."""
+    gpus: tuple[str, ...] = ()
+    if worker and device_type == "cuda":
+        count = torch.cuda.device_count()
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names = listed.split(",") if listed else [str(i) for i in range(count)]
+        gpus = tuple(n.strip() for n in names[:count])
+    return Seat(rank=rank, host=socket.gethostname(), local_rank=local_rank, worker=worker,
+                gpus=gpus)
+
+
+def placed_devices(seats: list[Seat], *, workers_per_node: int, device_type: str,
+                   backend: str, dedicated_servers: bool = False) -> list[torch.device]:
+    """Every rank's device where a launcher placed the ranks (`seats`, indexed by rank).
+
+    A worker takes the one GPU its task sees (srun --gpus-per-task / --gpu-bind), else
+    GPU k of its host's, k its place among the host's workers by the launcher's local
+    rank (ties by rank: two ranks of one local rank still get two GPUs). ConfigError,
+    naming the rank and host, where the layout cannot be honoured: a node's workers on
+    different hosts, more workers on a host than GPUs, two NCCL workers on one GPU, or a
+    parameter server beside workers when servers have nodes of their own.
+    """
+    _check_nodes(seats, workers_per_node=workers_per_node, dedicated_servers=dedicated_servers)
+    devices = [torch.device("cpu")] * len(seats)
+    if device_type != "cuda":
+        return devices
+    hosts: dict[str, list[Seat]] = {}
+    for seat in seats:
+        if seat.worker:
+            hosts.setdefault(seat.host, []).append(seat)
+    for host, mine in hosts.items():
+        taken: dict[str, int] = {}
+        for place, seat in enumerate(sorted(mine, key=lambda s: (s.local_rank, s.rank))):
+            index = 0 if len(seat.gpus) == 1 else place
+            if index >= len(seat.gpus):
+                raise ConfigError(
+                    f"rank {seat.rank} is worker {place + 1} of {len(mine)} on host {host}, "
+                    f"whose tasks see {len(seat.gpus)} GPUs: give each worker a GPU (srun "
+                    "--gpus-per-task=1, or fewer workers per host)")
+            gpu = seat.gpus[index]
+            if backend == "nccl" and gpu in taken:
+                raise ConfigError(
+                    f"ranks {taken[gpu]} and {seat.rank} would share GPU {gpu} of host {host}, "
+                    "and NCCL needs a GPU per rank: bind one GPU per task (srun --gpu-bind), "
+                    "or share it over cluster.backend=gloo")
+            taken[gpu] = seat.rank
+            devices[seat.rank] = torch.device("cuda", index)
+    return devices
+
+
+def _check_nodes(seats: list[Seat], *, workers_per_node: int, dedicated_servers: bool) -> None:
+    """Worker r is a worker of node r // workers_per_node: a node's workers share a host;
+    with dedicated server nodes, no server shares one with a worker."""
+    first: dict[int, Seat] = {}
+    for seat in (s for s in seats if s.worker):
+        node = seat.rank // workers_per_node
+        head = first.setdefault(node, seat)
+        if seat.host != head.host:
+            raise ConfigError(
+                f"rank {seat.rank} is a worker of node {node} but runs on host {seat.host}, "
+                f"and rank {head.rank} of that node on {head.host}: the launcher must put "
+                f"cluster.workers_per_node={workers_per_node} workers on each host, in rank "
+                "order, servers after them (torchrun --nproc-per-node, srun --ntasks-per-node "
+                "--distribution=block, or python -m harness.submit)")
+    worker_hosts = {s.host: s.rank for s in seats if s.worker}
+    for seat in (s for s in seats if not s.worker):
+        if dedicated_servers and seat.host in worker_hosts:
+            raise ConfigError(
+                f"rank {seat.rank} is a parameter server but runs on host {seat.host} with "
+                f"worker rank {worker_hosts[seat.host]}, and cluster.slurm.colocate_servers="
+                "false gives servers nodes of their own: start the servers on other hosts")
+
+
 def device_settings(run: DictConfig) -> None:
     """Apply run.tf32_matmul, run.tf32_cudnn and run.cudnn_benchmark (torch's defaults:
     false, true, false) before any model is built."""
@@ -101,8 +194,11 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
     backend = resolve_backend(cfg.cluster)
     ctx = None
     try:
-        device = pick_device(resolve_device(cfg.cluster), worker=worker, local_rank=local_rank,
-                             visible=torch.cuda.device_count() if worker else 0)
+        device_type = resolve_device(cfg.cluster)
+        device = torch.device("cpu")
+        if not placed:  # the local launcher's own layout: GPU `local_rank` of this machine's
+            device = pick_device(device_type, worker=worker, local_rank=local_rank,
+                                 visible=torch.cuda.device_count() if worker else 0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.set_num_threads(torch_threads(cfg, local_world_size, placed=placed))
@@ -115,6 +211,9 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
                                 world_size=world_size, timeout=timeout,
                                 **_rendezvous(rank, world_size, timeout, placed=placed))
         run_id = run_id or _agree_run_id(cfg)
+        if placed:  # before any CUDA collective: NCCL takes the current device
+            device = _placed_device(cfg, rank=rank, local_rank=local_rank, worker=worker,
+                                    device_type=device_type, backend=backend)
         workers = num_workers(cfg)
         ctx = Context(rank=rank, world_size=world_size, local_rank=local_rank,
                       local_world_size=local_world_size, num_workers=workers,
@@ -141,6 +240,21 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal
         _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
         exit_now(1)  # peers may be stuck in a collective: do not wait for clean-up
+
+
+def _placed_device(cfg: DictConfig, *, rank: int, local_rank: int, worker: bool,
+                   device_type: str, backend: str) -> torch.device:
+    """This rank's device under torchrun or srun, from every rank's seat (made current)."""
+    seats: list[Seat | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seats, my_seat(rank=rank, local_rank=local_rank, worker=worker,
+                                          device_type=device_type))
+    slurm = cfg.cluster.get("slurm")
+    device = placed_devices(seats, workers_per_node=cfg.cluster.workers_per_node,
+                            device_type=device_type, backend=backend,
+                            dedicated_servers=bool(slurm) and not slurm.colocate_servers)[rank]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def node_groups(workers: int, per_node: int, *, timeout: dt.timedelta) -> tuple | None:

@@ -1,7 +1,15 @@
 """Slurm job arrays: where each rank of a configuration goes (`layout`), the settings and
 partition checks that need no run (`check_settings`, `check_cluster`, `check_gpus`),
 one array per resource shape (`group`), and the array script rendered from
-slurm/array.sbatch and handed to sbatch. `python -m harness.submit` drives it."""
+slurm/array.sbatch and handed to sbatch. `python -m harness.submit` drives it.
+
+GPUs go to workers only. On each node the workers are the first tasks (`layout`), and
+each sees one GPU of its node, the one of its place (`RANK_ENV`, CUDA_VISIBLE_DEVICES per
+task); parameter servers, CPU processes, see none. Servers on nodes of their own
+(colocate_servers: false) of a GPU run are a component of their own that asks for no
+GPUs: a heterogeneous job (`Shape.hetero`), one per configuration, since Slurm has no
+arrays of heterogeneous jobs.
+"""
 
 from __future__ import annotations
 
@@ -17,23 +25,51 @@ from omegaconf import DictConfig
 
 from harness import config
 from harness.config import checks
-from harness.config.ranks import num_servers
+from harness.config.ranks import num_servers, num_workers
 from harness.config.schema import REPO
+
+# Run by bash in every srun task before the rank starts (`exec "$@"`). In a heterogeneous
+# job the rank comes from the step (torchrun's variables, read first by
+# harness.config.ranks: one step over both components). With GPUs, a worker (SLURM_PROCID
+# below DDLBENCH_WORKERS) keeps the one GPU of its place on its node, SLURM_LOCALID
+# (workers are each node's first tasks), and a parameter server none.
+RANK_ENV = """\
+if [ -n "${WORLD_SIZE:-}" ]; then
+  export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID"
+fi
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
+  if [ "$SLURM_PROCID" -lt "$DDLBENCH_WORKERS" ]; then
+    export CUDA_VISIBLE_DEVICES="${gpus[$SLURM_LOCALID]:-none}"
+  else
+    export CUDA_VISIBLE_DEVICES=""
+  fi
+fi
+exec "$@"
+"""
 
 
 @dataclass(frozen=True)
 class Shape:
     """The resources of one array: every task gets `nodes` nodes x `tasks_per_node` ranks
-    and `gpus_per_node` GPUs on each node."""
+    and `gpus_per_node` GPUs on each node; with `server_nodes`, `servers` more ranks on
+    that many nodes of their own without GPUs (a heterogeneous job per task)."""
 
     nodes: int
     tasks_per_node: int
     gpus_per_node: int = 0
+    server_nodes: int = 0
+    servers: int = 0
+
+    @property
+    def hetero(self) -> bool:
+        return self.server_nodes > 0
 
     @property
     def label(self) -> str:
         return f"n{self.nodes}x{self.tasks_per_node}" + (
-            f"g{self.gpus_per_node}" if self.gpus_per_node else "")
+            f"g{self.gpus_per_node}" if self.gpus_per_node else "") + (
+            f"+s{self.servers}n{self.server_nodes}" if self.hetero else "")
 
 
 @dataclass(frozen=True)
@@ -55,9 +91,18 @@ class Task:
     gpus: int = 0  # GPUs per node to request: set by `check_gpus`
 
     @property
+    def workers(self) -> int:
+        return num_workers(self.cfg)
+
+    @property
     def shape(self) -> Shape:
         counts = [self.layout.count(n) for n in range(max(self.layout) + 1)]
-        return Shape(nodes=len(counts), tasks_per_node=max(counts), gpus_per_node=self.gpus)
+        worker_nodes = max(self.layout[: self.workers]) + 1
+        if not self.gpus or worker_nodes == len(counts):  # one kind of node
+            return Shape(nodes=len(counts), tasks_per_node=max(counts), gpus_per_node=self.gpus)
+        return Shape(nodes=worker_nodes, tasks_per_node=max(counts[:worker_nodes]),
+                     gpus_per_node=self.gpus, server_nodes=len(counts) - worker_nodes,
+                     servers=len(self.layout) - self.workers)
 
 
 def layout(cfg: DictConfig, slurm: DictConfig) -> list[int]:
@@ -155,7 +200,7 @@ def check_cluster(slurm: DictConfig, tasks: list[Task]) -> list[str]:
         raise config.ConfigError(f"cluster.slurm.partition={slurm.partition!r} is unknown; "
                                  f"choose one of: {known}")
     part, label = found[name], repr(slurm.partition or "(default)")
-    need = max(t.shape.nodes for t in tasks)
+    need = max(t.shape.nodes + t.shape.server_nodes for t in tasks)
     if need > part.nodes:
         raise config.ConfigError(
             f"a configuration needs {need} nodes but partition {label} has {part.nodes}; "
@@ -210,25 +255,37 @@ def _no_gpus(asked: int | None, label: str) -> str:
     return f"partition {label} has none (no gpu gres in sinfo; cluster.slurm.partition)"
 
 
+def sbatch_resources(slurm: DictConfig, shape: Shape, *, count: int) -> str:
+    """The #SBATCH lines of the resources: an array of `count` tasks of the shape's nodes,
+    or a heterogeneous job of the worker nodes (with GPUs) and the server nodes (CPUs
+    only), each with the site's settings."""
+    site = [f"--partition={slurm.partition}" if slurm.partition else None,
+            f"--account={slurm.account}" if slurm.account else None,
+            f"--time={slurm.time}" if slurm.time else None]
+    per_task = [f"--cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else None,
+                f"--mem={slurm.mem}" if slurm.mem else None]
+    throttle = f"%{slurm.max_parallel}" if slurm.max_parallel else ""
+    lines = [None if shape.hetero else f"--array=0-{count - 1}{throttle}",
+             f"--nodes={shape.nodes}", f"--ntasks-per-node={shape.tasks_per_node}", *site,
+             f"--gpus-per-node={shape.gpus_per_node}" if shape.gpus_per_node else None,
+             *per_task, *slurm.extra]
+    if shape.hetero:  # the servers' component: nodes of their own, no GPUs
+        lines += ["hetjob", f"--nodes={shape.server_nodes}", f"--ntasks={shape.servers}",
+                  *site, *per_task, *slurm.extra]
+    return "\n".join(f"#SBATCH {o}" for o in lines if o)
+
+
 def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_name: str,
            jobs_dir: Path, workdir: Path) -> str:
-    """The sbatch script of one array: `template` with its {{placeholders}} filled in."""
-    options = [f"--partition={slurm.partition}" if slurm.partition else None,
-               f"--account={slurm.account}" if slurm.account else None,
-               f"--time={slurm.time}" if slurm.time else None,
-               f"--gpus-per-node={shape.gpus_per_node}" if shape.gpus_per_node else None,
-               f"--cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else None,
-               f"--mem={slurm.mem}" if slurm.mem else None,
-               *slurm.extra]
+    """The sbatch script of one array (or heterogeneous job): `template` with its
+    {{placeholders}} filled in."""
     # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
     srun = f"--cpus-per-task={slurm.cpus_per_task} " if slurm.cpus_per_task else ""
     values = {
-        "job_name": job_name, "last_task": str(count - 1),
-        "throttle": f"%{slurm.max_parallel}" if slurm.max_parallel else "",
-        "nodes": str(shape.nodes), "tasks_per_node": str(shape.tasks_per_node),
+        "job_name": job_name, "hetero": "1" if shape.hetero else "0",
         "log_dir": str(jobs_dir / "logs"), "jobs_dir": str(jobs_dir),
-        "sbatch_options": "\n".join(f"#SBATCH {o}" for o in options if o),
-        "srun_options": srun,
+        "resources": sbatch_resources(slurm, shape, count=count),
+        "srun_options": srun, "rank_env": shlex.quote(RANK_ENV),
         "workdir": shlex.quote(str(workdir)), "setup": slurm.setup or "",
         "python": shlex.quote(sys.executable),
     }
@@ -244,6 +301,7 @@ def write_array(tasks: list[Task], shape: Shape, *, root: Path, name: str) -> Pa
     (jobs_dir / "tasks.txt").write_text("".join(shlex.join(t.overrides) + "\n" for t in tasks))
     (jobs_dir / "layout.txt").write_text("".join(" ".join(map(str, t.layout)) + "\n"
                                                  for t in tasks))
+    (jobs_dir / "workers.txt").write_text("".join(f"{t.workers}\n" for t in tasks))
     script = jobs_dir / "array.sbatch"
     script.write_text(script_text(tasks, shape, jobs_dir=jobs_dir, name=jobs_dir.name))
     return script
@@ -256,7 +314,11 @@ def script_text(tasks: list[Task], shape: Shape, *, jobs_dir: Path, name: str) -
                   job_name=f"ddlbench-{name}", jobs_dir=jobs_dir.resolve(), workdir=Path.cwd())
 
 
-def sbatch(script: Path) -> str:
-    """Submit `script`; return the array's job id."""
-    out = slurm_command(["sbatch", "--parsable", str(script)])
+def sbatch(script: Path, *, task: int | None = None) -> str:
+    """Submit `script` (an array; or with `task`, the heterogeneous job of that task of it,
+    which the script reads from its first argument); return the job id."""
+    argv = ["sbatch", "--parsable"]
+    if task is not None:
+        argv.append(f"--output={script.parent / 'logs'}/%j_{task}.out")
+    out = slurm_command([*argv, str(script), *([] if task is None else [str(task)])])
     return out.strip().split(";")[0]

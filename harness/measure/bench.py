@@ -8,14 +8,11 @@ Throughput is global samples over the slowest rank's window.
 
 from __future__ import annotations
 
-import datetime as dt
-import functools
 import json
 import os
 import platform
 import resource
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,12 +24,10 @@ from torch import nn
 
 import methods
 import models
-from harness.config import engine as horovod
-from harness.config import to_json
-from harness.config.ranks import num_servers, num_workers
-from harness.config.schema import REPO
+from harness.config.ranks import num_workers
 from harness.launch.rank import Context
 from harness.measure import results
+from harness.measure.results import identity, nccl_version  # noqa: F401 - re-exported
 from harness.measure.timing import PHASES, Clock, timed_window
 
 
@@ -212,60 +207,10 @@ def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: l
     }
 
 
-def identity(cfg: DictConfig, *, run_id: str, repeat: int) -> dict:
-    """The identity, parameter and provenance columns of a row of this run."""
-    return {
-        "run_id": run_id, "model": cfg.model.name, "method": cfg.method.name,
-        "network": cfg.network.name, "nodes": cfg.cluster.nodes,
-        "workers_per_node": cfg.cluster.workers_per_node, "world_size": num_workers(cfg),
-        "servers": num_servers(cfg), "repeat": repeat,
-        "local_batch_size": cfg.model.local_batch_size, "source": "measured",
-        "warmup_iters": cfg.run.warmup_iters, "timed_iters": cfg.run.timed_iters,
-        "seed": cfg.run.seed, "git_commit": git_commit(), **software(),
-        "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
-        "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
-        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "config_json": to_json(cfg), **horovod.columns(cfg),
-    }
-
-
-def software() -> dict:
-    """What changes GPU throughput besides the configuration: versions, the numerics in
-    force (harness.launch.device_settings applied run.tf32_*), NCCL_* / GLOO_* / HOROVOD_*
-    settings."""
-    cudnn = torch.backends.cudnn.version()
-    return {
-        "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-        "cudnn_version": str(cudnn) if cudnn else None, "nccl_version": nccl_version(),
-        "tf32_matmul": torch.backends.cuda.matmul.fp32_precision == "tf32",
-        "tf32_cudnn": torch.backends.cudnn.conv.fp32_precision == "tf32",
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "comm_env_json": json.dumps({k: v for k, v in sorted(os.environ.items())
-                                     if k.startswith(("NCCL_", "GLOO_", "HOROVOD_"))}),
-    }
-
-
-def nccl_version() -> str | None:
-    if not (torch.version.cuda and dist.is_nccl_available()):
-        return None
-    version = torch.cuda.nccl.version()
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
-
-
-@functools.cache  # one per process: a sweep's rows name one commit
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: str) -> None:

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from harness.launch.rank import Context
 from harness.measure import results
 from harness.measure.timing import device_sync
-from methods.costmodel import least_squares, time_allreduce
+from methods.costmodel import least_squares
+from methods.costtiming import time_allreduce
 
 FOLDER = results.OTHER_DATA
 
@@ -30,20 +31,38 @@ def sizes(cfg: DictConfig) -> list[int]:
     return out
 
 
-def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device) -> float:
-    """Median one-way seconds of `nbytes` between ranks 0 and 1 (ping-pong / 2), on the
-    workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do)."""
+def pairs(*, nodes: int, workers_per_node: int) -> dict[str, tuple[int, int]]:
+    """The point-to-point links to time, by kind: `p2p` the network between two nodes
+    (rank 0 and the first worker of node 1; on one node, the only link there is, between
+    its first two workers), `p2p_intra` the link inside a node (ranks 0 and 1) where
+    several nodes have several workers."""
+    out: dict[str, tuple[int, int]] = {}
+    if nodes > 1:
+        out["p2p"] = (0, workers_per_node)
+        if workers_per_node > 1:
+            out["p2p_intra"] = (0, 1)
+    elif workers_per_node > 1:
+        out["p2p"] = (0, 1)
+    return out
+
+
+def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
+             pair: tuple[int, int] = (0, 1)) -> float:
+    """Median one-way seconds of `nbytes` between the ranks of `pair` (ping-pong / 2), on
+    the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do);
+    other ranks return 0 at once."""
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    first, second = pair
     samples = []
     for i in range(repeats + 1):
         device_sync(device)
         start = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, dst=1)
-            dist.recv(buf, src=1)
-        elif rank == 1:
-            dist.recv(buf, src=0)
-            dist.send(buf, dst=0)
+        if rank == first:
+            dist.send(buf, dst=second)
+            dist.recv(buf, src=second)
+        elif rank == second:
+            dist.recv(buf, src=first)
+            dist.send(buf, dst=first)
         device_sync(device)
         if i:  # the first round trip is a warm-up
             samples.append((time.perf_counter() - start) / 2)
@@ -55,16 +74,17 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     if not ctx.is_worker:  # a PS method's servers: nothing of theirs is measured
         return
     rows = []
+    links = pairs(nodes=cfg.cluster.nodes, workers_per_node=cfg.cluster.workers_per_node)
     for nbytes in sizes(cfg):
         ctx.beat(f"timing {nbytes} bytes")
         repeats = cfg.microbench.repeats
-        if ctx.num_workers > 1:
-            rows.append(("p2p", nbytes, time_p2p(nbytes, rank=ctx.rank, repeats=repeats,
-                                                 device=ctx.device)))
-        rows.append(("allreduce", nbytes, time_allreduce(
+        for kind, pair in links.items():
+            rows.append((kind, f"{pair[0]}-{pair[1]}", nbytes, time_p2p(
+                nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair)))
+        rows.append(("allreduce", "all", nbytes, time_allreduce(
             ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
     if ctx.rank == 0:
-        frame = fitted(pd.DataFrame(rows, columns=["kind", "bytes", "seconds"]))
+        frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
                              network=cfg.network.name, world_size=ctx.num_workers)
         path = Path(cfg.results_dir) / FOLDER / f"{ctx.run_id}.parquet"

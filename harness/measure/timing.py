@@ -56,16 +56,22 @@ class Window:
 
 def timed_window(step: Callable[[Clock], None], *, iters: int, drain: Callable[[], None],
                  device: torch.device, group: dist.ProcessGroup | None = None) -> Window:
-    """Barrier of the workers' `group`, `iters` steps, `drain` (the method's: no
-    communication left in flight), then one device synchronize.
+    """Device synchronize, barrier of the workers' `group`, `iters` steps, `drain` (the
+    method's: no communication left in flight), then one device synchronize.
+
+    The window opens on every rank at once: each first waits for its own device (work
+    queued before the window, e.g. the warm-up's last update), then for the others at
+    the barrier (a host barrier: Gloo's, also on NCCL runs), then reads the clock. A rank
+    that left the barrier with work still queued on its GPU would start its clock late,
+    and its peers would count the difference as communication.
 
     Each step marks the clock after its forward, backward and synchronize, or not at
     all; the window marks each step's start. An iteration runs from its start to the
     next one's (its update ends there), the last one to the end of the drain, which
     counts as exposed communication.
     """
-    dist.barrier(group=group)
     device_sync(device)
+    dist.barrier(group=group)
     clock = Clock(device)
     start = time.perf_counter()
     for _ in range(iters):

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig
 
 from harness import config
 from harness.config import checks
+from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.measure import results
 
@@ -69,7 +69,7 @@ def measured(source: str) -> pd.DataFrame:
             .rename(columns={"world_size": "gpus", "throughput": "throughput_mean"}))
 
 
-def read_cells(where: str, source: str, cfgs: list[DictConfig]) -> pd.DataFrame:
+def read_cells(where: str, source: str, cfgs: list[Config]) -> pd.DataFrame:
     """The measured cells of the sweep `cfgs` in `source`, read and checked before anything
     is simulated (`where` names the setting): ConfigError names the problem."""
     ref = checks.read_table(where, source, read=measured,

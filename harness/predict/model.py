@@ -10,8 +10,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
+from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.predict import profile
 from harness.predict.network import (
@@ -39,12 +38,12 @@ class Prediction:
     plan: dict
 
 
-def _credit(scheduler: DictConfig) -> int:
+def _credit(scheduler: Config) -> int:
     return credit_in_elements(elements=scheduler.get("credit_elements"),
                               nbytes=scheduler.get("credit_bytes"), element_size=ELEMENT_SIZE)
 
 
-def predict(cfg: DictConfig, compute: profile.Compute, net: Network) -> Prediction:
+def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
     """Simulate `simulate.iterations` iterations of one configuration; steady-state time."""
     nodes, per_node = cfg.cluster.nodes, cfg.cluster.workers_per_node
     workers, method = num_workers(cfg), cfg.method
@@ -105,76 +104,106 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
     total = sum(compute.sizes)
     for i, n in enumerate(compute.sizes):
         layer_share[compute.layer_of[i]] += compute.update_s * n / total
+    unit_layer = [compute.layer_of[u.params[0]] for u in units]
+    last = [u.params[-1] for u in units]  # a unit is ready with its last tensor
+    update_s = compute.update_s
+    keys = _keys(units) if kind == "priority" else None
     t, ends = 0.0, []
     for _ in range(iterations):
         for needs, seconds in compute.forward:
             if kind == "priority":  # the next forward waits only for its own layers
-                t = max([t, *(layer_done[layer] for layer in needs)])
+                for layer in needs:
+                    if layer_done[layer] > t:
+                        t = layer_done[layer]
             t += seconds
         ready = [t + r for r in backward_ready]
         end_of_backward = ready[-1]
         if kind == "after_backward":
             unit_ready = [end_of_backward] * len(units)
         else:
-            unit_ready = [ready[u.params[-1]] for u in units]  # ready times never decrease
+            unit_ready = [ready[p] for p in last]  # ready times never decrease
         if kind == "priority":
-            done = _priority(units, unit_ready, comm, credit, cycle_s=cycle_s, fusion=fusion)
+            done = _priority(units, unit_ready, comm, credit, cycle_s=cycle_s, fusion=fusion,
+                             keys=keys)
             updated = [0.0] * layers
-            for u, finish in zip(units, done):
-                layer = compute.layer_of[u.params[0]]
-                updated[layer] = max(updated[layer], finish)
+            for layer, finish in zip(unit_layer, done):
+                if finish > updated[layer]:
+                    updated[layer] = finish
             free = end_of_backward  # one thread applies the layers' updates as they come in
-            for layer in sorted(range(layers), key=lambda i: updated[i]):
-                free = max(free, updated[layer]) + layer_share[layer]
+            for layer in sorted(range(layers), key=updated.__getitem__):
+                free = (free if free > updated[layer] else updated[layer]) + layer_share[layer]
                 layer_done[layer] = free
             t = end_of_backward
             ends.append(max(layer_done))
         else:
-            done = [comm.issue(i, nbytes[i], r) for i, r in enumerate(unit_ready)]
-            t = max([end_of_backward, *done]) + compute.update_s
+            done = comm.issue_all(nbytes, unit_ready)
+            t = max([end_of_backward, *done]) + update_s
             ends.append(t)
     return ends
 
 
+def _keys(units: list[Unit]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Each unit's elements, and its place in the priority queue (input side first)."""
+    return [u.numel for u in units], [(-u.params[0], u.start, i) for i, u in enumerate(units)]
+
+
 def _priority(units: list[Unit], ready: list[float], comm, credit: int, *,
-              cycle_s: float = 0.0, fusion: int = 0) -> list[float]:
+              cycle_s: float = 0.0, fusion: int = 0,
+              keys: tuple[list[int], list[tuple[int, int, int]]] | None = None) -> list[float]:
     """ByteScheduler: the highest-priority ready units (input side first) go while any
     of `credit` elements is left, each alone; with `cycle_s`, those of one cycle start
     at its end, consecutive ones fused up to `fusion` elements (Priority._issue).
-    Returns each unit's finish."""
+    Returns each unit's finish (`keys`: `_keys(units)`, when the caller has them). An
+    event loop over arrivals, completions and cycle ticks, written for speed: the
+    simulator spends most of its time here."""
     n = len(units)
+    numel, order = keys or _keys(units)
     done = [0.0] * n
-    arrivals = sorted(range(n), key=lambda u: (ready[u], u))
+    arrivals = sorted(range(n), key=ready.__getitem__)  # stable: ties in unit order
+    arrive = [ready[u] for u in arrivals]
     queue: list[tuple[int, int, int]] = []  # (-tensor index: input side first, start, unit)
     flight: list[tuple[float, int]] = []    # (finish, elements)
     batch: list[int] = []
+    push, pop, issue = heapq.heappush, heapq.heappop, comm.issue
     used, now, nxt, tick = 0, 0.0, 0, 0.0
     while nxt < n or queue or batch:
-        while nxt < n and ready[arrivals[nxt]] <= now:
-            u = arrivals[nxt]
-            heapq.heappush(queue, (-units[u].params[0], units[u].start, u))
+        while nxt < n and arrive[nxt] <= now:
+            push(queue, order[arrivals[nxt]])
             nxt += 1
         while flight and flight[0][0] <= now:
-            used -= heapq.heappop(flight)[1]
-        while queue and used < credit:
-            if not batch and cycle_s:
+            used -= pop(flight)[1]
+        if not cycle_s and queue and used < credit:  # each goes alone, now
+            soonest = math.inf
+            while queue and used < credit:
+                u = pop(queue)[2]
+                used += numel[u]
+                done[u] = finish = issue(u, numel[u] * ELEMENT_SIZE, now)
+                push(flight, (finish, numel[u]))
+                soonest = min(soonest, finish)
+            if soonest <= now:  # one is back already (it moved nothing): its credit is free
+                continue
+        while queue and used < credit:  # a cycle: the pieces wait for its tick, together
+            if not batch:
                 tick = math.ceil(now / cycle_s - 1e-9) * cycle_s
-            batch.append(heapq.heappop(queue)[2])
-            used += units[batch[-1]].numel
-        if batch and (not cycle_s or now >= tick):
-            start = tick if cycle_s else now
-            for group in fuse_pieces([units[u].numel for u in batch], fusion if cycle_s else 0):
+            batch.append(pop(queue)[2])
+            used += numel[batch[-1]]
+        if batch and now >= tick:
+            for group in fuse_pieces([numel[u] for u in batch], fusion):
                 members = [batch[i] for i in group]
-                elements = sum(units[u].numel for u in members)
-                finish = comm.issue(members[0], elements * ELEMENT_SIZE, start)
+                elements = sum(numel[u] for u in members)
+                finish = issue(members[0], elements * ELEMENT_SIZE, tick)
                 for u in members:
                     done[u] = finish
-                heapq.heappush(flight, (finish, elements))
+                push(flight, (finish, elements))
             batch = []
             continue
-        events = ([ready[arrivals[nxt]]] if nxt < n else []) + (
-            [flight[0][0]] if queue and flight else []) + ([tick] if batch else [])
-        if not events:
+        event = arrive[nxt] if nxt < n else math.inf  # the next arrival, completion or tick
+        if queue and flight and flight[0][0] < event:
+            event = flight[0][0]
+        if batch and tick < event:
+            event = tick
+        if event == math.inf:
             break
-        now = max(now, min(events))
+        if event > now:
+            now = event
     return done

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from harness import config
+from harness.config.frozen import Config
 from harness.measure import results
+from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
 from methods.costmodel import Cost, least_squares
 
 ELEMENT_SIZE = 4  # fp32 gradients
-FIT_SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21]  # elements, as methods.costmodel
 
 
 # -- the network -------------------------------------------------------------------------
@@ -33,7 +32,7 @@ class Network:
     cycle_s: float = 0.0   # all-reduces start on a framework cycle (Horovod's negotiation)
 
 
-def network(cfg: DictConfig) -> Network:
+def network(cfg: Config) -> Network:
     """The link model of `cfg.network`: a real network's facts, or the microbenchmark's fit."""
     net = cfg.network
     if config.is_real_network(net):
@@ -48,7 +47,7 @@ def network(cfg: DictConfig) -> Network:
     return Network(net.name, link, link, "ring", False)
 
 
-def _microbench_link(cfg: DictConfig) -> Cost:
+def _microbench_link(cfg: Config) -> Cost:
     """The point-to-point alpha/beta of the newest microbenchmark of this network."""
     folder = Path(cfg.results_dir) / results.OTHER_DATA
     fits = [f for f in results.load_microbench(folder)
@@ -95,38 +94,39 @@ class Collectives:
     """All-reduces run one at a time, in issue order (one communication stream).
 
     `seconds(unit, nbytes)` is the duration of unit `unit` (its first, when fused)
-    moving `nbytes`. With a `cycle_s`, an all-reduce issued at t starts no earlier
-    than the next multiple of it: Horovod's background loop negotiates the tensors
-    that became ready once per cycle, then runs them.
+    moving `nbytes`, asked once per unit and size (every iteration moves the same). With
+    a `cycle_s`, an all-reduce issued at t starts no earlier than the next multiple of
+    it: Horovod's background loop negotiates the tensors that became ready once per
+    cycle, then runs them.
     """
 
     def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0) -> None:
         self.seconds = seconds
         self.cycle_s = cycle_s
         self.free = 0.0
-        self.busy = {"collective": 0.0}
+        self.busy_s = 0.0
+        self.durations: dict[tuple[int, int], float] = {}
+
+    @property
+    def busy(self) -> dict[str, float]:
+        return {"collective": self.busy_s}
 
     def issue(self, unit: int, nbytes: int, t: float) -> float:
-        duration = self.seconds(unit, nbytes)
+        """Unit `unit` moving `nbytes`, issued at `t`: when it is done."""
+        duration = self.durations.get((unit, nbytes))
+        if duration is None:
+            duration = self.durations[unit, nbytes] = self.seconds(unit, nbytes)
         if self.cycle_s:
             t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
-        self.free = max(t, self.free) + duration
-        self.busy["collective"] += duration
+        self.free = (t if t > self.free else self.free) + duration
+        self.busy_s += duration
         return self.free
 
-
-@dataclass
-class _Link:
-    free: float = 0.0
-    busy: float = 0.0
-
-    def occupy(self, t: float, seconds: float) -> float:
-        self.free = max(t, self.free) + seconds
-        self.busy += seconds
-        return self.free
+    def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
+        """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""
+        return [self.issue(i, b, t) for i, (b, t) in enumerate(zip(nbytes, ready))]
 
 
-@dataclass
 class ParameterServers:
     """Push every partition to its server, which answers once all pushes are in.
 
@@ -135,47 +135,71 @@ class ParameterServers:
     (intra-node links) up and down. Up: the node's workers reduce-scatter the partition
     and each copies its slice to host memory; down: the copies back and the all-gather
     (BytePS). Both directions stream at once over the one PCIe fabric of the node, whose
-    rate the intra-node all-reduce fact gives, so each gets half of it.
+    rate the intra-node all-reduce fact gives, so each gets half of it. A link is a
+    queue: what it carries starts once the link is free, and keeps it busy.
     """
 
-    net: Network
-    parts: list[list[tuple[int, int]]]  # per unit: (bytes, server index)
-    nodes: int
-    per_node: int
-    servers: int
-    local_reduce: bool  # a node sums its workers' gradients and pushes once (BytePS)
-    links: dict[str, _Link] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        sharing = self.per_node if self.local_reduce else 1  # workers that share a partition
+    def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
+                 per_node: int, servers: int, local_reduce: bool) -> None:
+        """`parts`: per unit, (bytes, server index) of each partition; `local_reduce`: a
+        node sums its workers' gradients and pushes once (BytePS)."""
+        self.net, self.servers = net, servers
+        sharing = per_node if local_reduce else 1  # workers that share a partition
         # bytes per worker over the bus per byte of partition, each way: the
         # reduce-scatter (or all-gather) and the copy of its slice, at half the rate
-        bus_share = 2 * ((sharing - 1) + self.net.ps_host_copy) / sharing
-        senders = self.nodes if self.local_reduce else self.nodes * self.per_node
-        node_share = 1 if self.local_reduce else self.per_node
-        self.links = {n: _Link() for n in ("node_up", "node_down", "bus_up", "bus_down")}
-        servers = [(_Link(), _Link()) for _ in range(self.servers)]
-        for s, (down, up) in enumerate(servers):
-            self.links[f"server{s}_in"], self.links[f"server{s}_out"] = down, up
-        inter, intra = self.net.inter, self.net.intra
-        # per unit, per partition: (bus seconds, node link seconds, server link seconds, links)
+        bus_share = 2 * ((sharing - 1) + net.ps_host_copy) / sharing
+        senders = nodes if local_reduce else nodes * per_node
+        node_share = 1 if local_reduce else per_node
+        # links by index: node up, node down, bus up, bus down, then each server's in, out
+        self.names = ["node_up", "node_down", "bus_up", "bus_down"] + [
+            f"server{s}_{way}" for s in range(servers) for way in ("in", "out")]
+        self.free = [0.0] * len(self.names)
+        self.busy_s = [0.0] * len(self.names)
+        inter, intra = net.inter, net.intra
+        # per unit, per partition: (bus seconds, node link seconds, server link seconds,
+        # the server's links)
         self.steps = [[(intra.seconds(size * bus_share) if bus_share else 0.0,
                         size * node_share * inter.beta, size * senders * inter.beta,
-                        servers[server]) for size, server in unit] for unit in self.parts]
+                        4 + 2 * server, 5 + 2 * server) for size, server in unit]
+                      for unit in parts]
 
     @property
     def busy(self) -> dict[str, float]:
-        return {n: link.busy for n, link in self.links.items()}
+        return dict(zip(self.names, self.busy_s))
 
     def issue(self, unit: int, nbytes: int, t: float) -> float:
-        done, alpha = t, self.net.inter.alpha
-        node_up, node_down = self.links["node_up"], self.links["node_down"]
-        bus_up, bus_down = self.links["bus_up"], self.links["bus_down"]
-        for bus, node, server, (server_in, server_out) in self.steps[unit]:
-            start = bus_up.occupy(t, bus) if bus else t
-            pushed = max(node_up.occupy(start, node), server_in.occupy(start, server)) + alpha
-            pulled = max(server_out.occupy(pushed, server), node_down.occupy(pushed, node)) + alpha
-            if bus:
-                pulled = bus_down.occupy(pulled, bus)
-            done = max(done, pulled)
+        """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
+        (The queues of the class docstring, written out: the simulator's innermost loop.)"""
+        done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
+        for bus, node, server, s_in, s_out in self.steps[unit]:
+            start = t
+            if bus:  # bus up
+                start = (t if t > free[2] else free[2]) + bus
+                free[2] = start
+                busy[2] += bus
+            up = (start if start > free[0] else free[0]) + node  # node up
+            free[0] = up
+            busy[0] += node
+            into = (start if start > free[s_in] else free[s_in]) + server  # server in
+            free[s_in] = into
+            busy[s_in] += server
+            pushed = (up if up > into else into) + alpha
+            out = (pushed if pushed > free[s_out] else free[s_out]) + server  # server out
+            free[s_out] = out
+            busy[s_out] += server
+            down = (pushed if pushed > free[1] else free[1]) + node  # node down
+            free[1] = down
+            busy[1] += node
+            pulled = (out if out > down else down) + alpha
+            if bus:  # bus down
+                pulled = (pulled if pulled > free[3] else free[3]) + bus
+                free[3] = pulled
+                busy[3] += bus
+            if pulled > done:
+                done = pulled
         return done
+
+    def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
+        """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""
+        issue = self.issue
+        return [issue(i, b, t) for i, (b, t) in enumerate(zip(nbytes, ready))]

@@ -10,18 +10,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
-
 from harness import config
 from harness.config.cache import cached
+from harness.config.frozen import Config, thaw
 from harness.config.ranks import num_servers, num_workers
 from harness.predict import profile
 from harness.predict.network import fitted_cost, network
 from methods import layout
 from methods import plan as plans
 from methods.costmodel import Cost
+from methods.layout import PARTITION_BYTES, plan_summary
 from methods.plan import Unit
-from methods.ps import PARTITION_BYTES, plan_summary
 
 ELEMENT_SIZE = 4  # fp32 gradients
 
@@ -52,9 +51,9 @@ def _tensors(family: str, build_json: str) -> Tensors:
     return Tensors(**cached("tensors", [family, json.loads(build_json)], build))
 
 
-def tensors(model: DictConfig) -> Tensors:
+def tensors(model: Config) -> Tensors:
     """`model`'s tensors, built once per configuration on the meta device (and cached)."""
-    return _tensors(model.family, json.dumps(dict(model.build), sort_keys=True))
+    return _tensors(model.family, json.dumps(thaw(model.build), sort_keys=True))
 
 
 @dataclass
@@ -80,39 +79,52 @@ def ddp_buckets(sizes: list[int], cap_bytes: int, first_bytes: int = 1 << 20) ->
     return groups + ([group] if group else [])
 
 
-def plan_of(cfg: DictConfig, model: Tensors, *, backward_s: list[float] | None = None,
+def plan_of(cfg: Config, model: Tensors, *, backward_s: list[float] | None = None,
             cost: Cost | None = None) -> Plan:
     """The plan `cfg.method` makes for `model` on `cfg.cluster`, from the methods' own
-    planners; MG-WFBP needs `backward_s` (per tensor) and the all-reduce `cost`."""
+    planners; MG-WFBP needs `backward_s` (per tensor) and the all-reduce `cost`. Made
+    once per distinct input (a sweep asks for the same plan on every network and GPU
+    count): the Plan is shared, read it only."""
     method = cfg.method
-    if method.transport.name == "ddp":
-        cap = int(method.planner.get("bucket_cap_mb", 25) * (1 << 20))
-        groups = ddp_buckets(model.sizes, cap)
-        return Plan(plans.groups_to_units(model.sizes, groups),
+    measured = method.planner.name == "mgwfbp" and backward_s is not None and cost is not None
+    return _plan(json.dumps(thaw(method), sort_keys=True),
+                 (tuple(model.names), tuple(model.sizes), tuple(model.rows)),
+                 num_servers(cfg) if method.transport.name == "ps" else 0,
+                 (tuple(backward_s), cost) if measured else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(method_json: str, model: tuple[tuple, tuple, tuple], servers: int,
+          measured: tuple[tuple[float, ...], Cost] | None) -> Plan:
+    method = json.loads(method_json)
+    names, sizes, rows = (list(v) for v in model)
+    planner, transport = method["planner"], method["transport"]
+    if transport["name"] == "ddp":
+        cap = int(planner.get("bucket_cap_mb", 25) * (1 << 20))
+        groups = ddp_buckets(sizes, cap)
+        return Plan(plans.groups_to_units(sizes, groups),
                     {"planner": "ddp", "buckets": len(groups)})
-    args = {k: v for k, v in method.planner.items() if k != "name"}
-    planner = plans.PLANNERS[method.planner.name](**args)
+    chosen = plans.PLANNERS[planner["name"]](**{k: v for k, v in planner.items() if k != "name"})
     notes = []
-    if method.planner.name == "mgwfbp" and backward_s is not None and cost is not None:
-        units = planner.plan_measured(model.sizes, backward_s=backward_s, cost=cost,
-                                      element_size=ELEMENT_SIZE)
+    if measured is not None:
+        units = chosen.plan_measured(sizes, backward_s=list(measured[0]), cost=measured[1],
+                                     element_size=ELEMENT_SIZE)
     else:
-        units = planner.plan(model.sizes, element_size=ELEMENT_SIZE, rows=model.rows)
-        if method.planner.name == "mgwfbp":
+        units = chosen.plan(sizes, element_size=ELEMENT_SIZE, rows=rows)
+        if planner["name"] == "mgwfbp":
             notes.append("MG-WFBP's groups need backward times and an all-reduce cost: shown "
                          "is the one bucket it profiles with (give a real network=, e.g. "
                          "ib100_rdma, or measure this one: python -m harness.microbench)")
-    out = Plan(units, planner.describe(), notes=notes)
-    if method.transport.name == "ps":
-        out.servers = num_servers(cfg)
-        part = max(1, method.transport.get("partition_bytes", PARTITION_BYTES) // ELEMENT_SIZE)
-        out.parts = layout.partitions(units, model.names, part_elements=part,
-                                      servers=out.servers,
-                                      rule=method.transport.get("assignment", "hash"))
+    out = Plan(units, chosen.describe(), notes=notes)
+    if transport["name"] == "ps":
+        out.servers = servers
+        part = max(1, transport.get("partition_bytes", PARTITION_BYTES) // ELEMENT_SIZE)
+        out.parts = layout.partitions(units, names, part_elements=part, servers=servers,
+                                      rule=transport.get("assignment", "hash"))
     return out
 
 
-def mgwfbp_inputs(cfg: DictConfig) -> tuple[list[float] | None, Cost | None]:
+def mgwfbp_inputs(cfg: Config) -> tuple[list[float] | None, Cost | None]:
     """Backward times and all-reduce cost as the simulator has them, or (None, None)."""
     try:
         net = network(cfg)
@@ -123,7 +135,7 @@ def mgwfbp_inputs(cfg: DictConfig) -> tuple[list[float] | None, Cost | None]:
                                                     per_node=cfg.cluster.workers_per_node)
 
 
-def describe(cfg: DictConfig, model: Tensors, plan: Plan) -> dict[str, Any]:
+def describe(cfg: Config, model: Tensors, plan: Plan) -> dict[str, Any]:
     """The plan as data (what --json writes)."""
     n = len(model.sizes)
     units = []
@@ -140,8 +152,8 @@ def describe(cfg: DictConfig, model: Tensors, plan: Plan) -> dict[str, Any]:
                        "workers_per_node": cfg.cluster.workers_per_node,
                        "workers": num_workers(cfg), "servers": plan.servers},
            "tensors": n, "elements": sum(model.sizes),
-           "transport": dict(cfg.method.transport), "planner": plan.planner,
-           "scheduler": dict(cfg.method.scheduler), "units": units, "notes": plan.notes}
+           "transport": thaw(cfg.method.transport), "planner": plan.planner,
+           "scheduler": thaw(cfg.method.scheduler), "units": units, "notes": plan.notes}
     if plan.parts:
         out["ps"] = plan_summary(plan.parts, plan.servers, ELEMENT_SIZE)
     return out

@@ -1,30 +1,41 @@
 """A sweep's predictions as result rows (source=simulated), one shard per simulation,
-so the report draws simulated figures with the same code as measured ones."""
+so the report draws simulated figures with the same code as measured ones; and the best
+method per model, network and GPU count, beside the shard."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
+import os
+import sys
+import time
 import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig
 
+from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.measure import results
 from harness.predict import profile
 from harness.predict.model import Prediction, predict
 from harness.predict.network import Network, network
 
+LINES = 300  # sweeps up to this size print a line per configuration; bigger ones, progress
+CELL = ["model", "network", "world_size"]  # where methods compete: a model on N GPUs of a network
+
 # -- the sweep ---------------------------------------------------------------------------
 
-def row(cfg: DictConfig, pred: Prediction, compute: profile.Compute, *, run_id: str) -> dict:
+def row(cfg: Config, pred: Prediction, compute: profile.Compute, *, run_id: str,
+        stack: dict | None = None) -> dict:
     """The result row of a prediction, with its own columns for calibration (iteration_s,
-    hidden_s, messages, samples and one) beside those of results.COLUMNS."""
-    from harness.measure.bench import identity
-
+    hidden_s, messages, samples and one) beside those of results.COLUMNS (`stack`: see
+    results.identity)."""
     return {
-        **identity(cfg, run_id=run_id, repeat=0), "source": "simulated",
+        **results.identity(cfg, run_id=run_id, repeat=0, stack=stack), "source": "simulated",
         "model_params": sum(compute.sizes), "model_tensors": len(compute.sizes),
         "throughput": pred.throughput, "timed_s": pred.iteration_s * cfg.run.timed_iters,
         "forward_s": compute.forward_s, "backward_s": sum(compute.backward_s),
@@ -37,36 +48,143 @@ def row(cfg: DictConfig, pred: Prediction, compute: profile.Compute, *, run_id: 
     }
 
 
-def predict_sweep(cfgs: list[DictConfig]) -> pd.DataFrame:
-    """Predict every configuration: one row each (`row`)."""
+def predict_sweep(cfgs: list[Config]) -> pd.DataFrame:
+    """Predict every configuration: one row each (`row`). The networks and the compute
+    come first (a missing microbenchmark stops it before any profiling; measured compute
+    runs here, one model at a time), then the predictions (`_Sweep`)."""
     networks: dict[str, Network] = {}
-    for cfg in cfgs:  # first, so a missing microbenchmark stops it before any profiling
+    for cfg in cfgs:
         if cfg.network.name not in networks:
             networks[cfg.network.name] = network(cfg)
-    profiles, run_id, rows = profile.ComputeProfiles(), f"sim-{uuid.uuid4().hex[:8]}", []
-    for cfg in cfgs:
-        compute = profiles(cfg)
-        rows.append(row(cfg, predict(cfg, compute, networks[cfg.network.name]), compute,
-                        run_id=run_id))
-    return pd.DataFrame(rows)
+    profiles = profile.ComputeProfiles()
+    computes = [profiles(cfg) for cfg in cfgs]
+    sweep = _Sweep(cfgs, computes, networks, f"sim-{uuid.uuid4().hex[:8]}", results.software())
+    return pd.DataFrame(sweep.rows())
+
+
+@dataclass
+class _Sweep:
+    """The predictions of a sweep, in spans of configurations. A sweep of more than
+    LINES configurations says how far it is every tenth of the way, and shares the spans
+    among processes, one per core (forked: they start with everything loaded here)."""
+
+    cfgs: list[Config]
+    computes: list[profile.Compute]
+    networks: dict[str, Network]
+    run_id: str
+    stack: dict
+
+    def span(self, bounds: tuple[int, int]) -> list[dict]:
+        return [row(cfg, predict(cfg, compute, self.networks[cfg.network.name]), compute,
+                    run_id=self.run_id, stack=self.stack)
+                for cfg, compute in zip(self.cfgs[slice(*bounds)], self.computes[slice(*bounds)])]
+
+    def rows(self) -> list[dict]:
+        n = len(self.cfgs)
+        if n <= LINES:
+            return self.span((0, n))
+        step = -(-n // SPANS)
+        spans = [(a, min(a + step, n)) for a in range(0, n, step)]
+        started, out, told = time.perf_counter(), [], 0
+        with self._spans(spans) as done:
+            for rows in done:
+                out += rows
+                if 10 * len(out) // n > told or len(out) == n:
+                    told = 10 * len(out) // n
+                    print(f"simulated {len(out)}/{n} configurations ({100 * len(out) // n}%) "
+                          f"in {time.perf_counter() - started:.1f} s", flush=True)
+        return out
+
+    @contextlib.contextmanager
+    def _spans(self, spans: list[tuple[int, int]]) -> Iterator[Iterable[list[dict]]]:
+        """The rows of each span, in order: from forked processes where there are cores
+        for them (and no torch loaded here, which forks badly), else from this one."""
+        global _FORKED
+        processes = min(len(os.sched_getaffinity(0)), len(spans))
+        if processes < 2 or "torch" in sys.modules:
+            yield map(self.span, spans)
+            return
+        _FORKED = self
+        try:
+            with multiprocessing.get_context("fork").Pool(processes) as pool:
+                yield pool.imap(_forked_span, spans)
+        finally:
+            _FORKED = None
+
+
+SPANS = 40  # a big sweep's share of work per process and step
+_FORKED: _Sweep | None = None  # the sweep a forked process works on
+
+
+def _forked_span(bounds: tuple[int, int]) -> list[dict]:
+    return _FORKED.span(bounds)
 
 
 def write(frame: pd.DataFrame, uncalibrated: pd.DataFrame, costs: dict, results_dir: str) -> Path:
-    """Print a line per configuration and write them as one shard, each row's plan with
-    its method's fitted costs and its uncalibrated throughput."""
+    """Write the rows as one shard, each row's plan with its method's fitted costs and its
+    uncalibrated throughput, and the best method per cell beside it (`best`); print a
+    line per configuration (up to LINES of them), where they went, and the best methods."""
     rows = []
-    for i, (r, raw) in enumerate(zip(frame.to_dict("records"),
-                                     uncalibrated.throughput), 1):
-        plan = json.loads(r["plan_json"])
+    for r, raw in zip(frame.to_dict("records"), uncalibrated.throughput):
+        out = {k: v for k, v in r.items() if k in results.COLUMNS}
         if costs:
+            plan = json.loads(r["plan_json"])
             plan.update(calibration=costs.get(r["method"], {}), uncalibrated_throughput=raw)
-        rows.append({**{k: v for k, v in r.items() if k in results.COLUMNS},
-                     "plan_json": json.dumps(plan)})
-        print(f"[{i}/{len(frame)}] {r['model']} {r['method']} {r['nodes']}x"
-              f"{r['workers_per_node']} on {r['network']}: {r['throughput']:.1f} samples/s, "
-              f"speedup {r['speedup']:.2f}x, exposed comm {r['comm_s'] * 1e3:.1f} ms/iter "
-              f"({r['bottleneck']})", flush=True)
+            out["plan_json"] = json.dumps(plan)
+        rows.append(out)
+        if len(frame) <= LINES:
+            print(f"[{len(rows)}/{len(frame)}] {r['model']} {r['method']} {r['nodes']}x"
+                  f"{r['workers_per_node']} on {r['network']}: {r['throughput']:.1f} samples/s, "
+                  f"speedup {r['speedup']:.2f}x, exposed comm {r['comm_s'] * 1e3:.1f} ms/iter "
+                  f"({r['bottleneck']})", flush=True)
     path = results.shard_path(results_dir, frame.run_id.iloc[0], 0)
     results.write_shard(path, rows)
     print(f"simulated {len(rows)} configurations -> {path}", flush=True)
+    winners = best(frame)
+    table = path.with_name(f"{frame.run_id.iloc[0]}_best.csv")
+    winners.to_csv(table, index=False)
+    print(f"best method per model, network and GPU count -> {table}\n{summary(winners)}",
+          flush=True)
     return path
+
+
+# -- the best method per cell ------------------------------------------------------------
+
+def best(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per model, network and GPU count: the fastest configuration (its method, and its
+    nodes x workers per node where the sweep has several shapes), the methods that tie
+    with it (within 1e-9, joined by "="; the model predicts bytescheduler_ps as wfbp_ps,
+    and on one GPU nothing is sent), the fastest other method and the margin over it in %
+    (empty where the cell has one method)."""
+    ranked = frame.sort_values([*CELL, "throughput", "method"],
+                               ascending=[True] * len(CELL) + [False, True], kind="stable")
+    top = ranked.drop_duplicates(CELL)[[*CELL, "method", "nodes", "workers_per_node",
+                                        "throughput", "speedup", "bottleneck"]]
+    both = ranked[[*CELL, "method", "throughput"]].merge(
+        top[[*CELL, "method", "throughput"]], on=CELL, suffixes=("", "_top"))
+    tied = (both[both.throughput >= both.throughput_top * (1 - 1e-9)]
+            .groupby(CELL).method.agg(lambda m: "=".join(sorted(set(m)))).rename("tied"))
+    second = (both[both.method != both.method_top].drop_duplicates(CELL)
+              .rename(columns={"method": "runner_up", "throughput": "runner_up_throughput"}))
+    out = top.merge(tied, on=CELL).merge(second[[*CELL, "runner_up", "runner_up_throughput"]],
+                                         on=CELL, how="left")
+    out["margin_pct"] = 100 * (out.throughput / out.runner_up_throughput - 1)
+    return (out.drop(columns="runner_up_throughput").rename(columns={"world_size": "gpus"})
+            .reset_index(drop=True))
+
+
+def summary(winners: pd.DataFrame) -> str:
+    """One line per model and network: the GPU counts where each method is best, in runs
+    (`1 any of 5, 2-8 bytescheduler_ps=wfbp_ps, 9-64 mgwfbp`)."""
+    lines = []
+    for (model, net), cells in winners.groupby(["model", "network"], sort=True):
+        runs: list[list] = []  # [first GPUs, last GPUs, method]
+        for gpus, tied in zip(cells.gpus, cells.tied):
+            method = tied if tied.count("=") < 3 else f"any of {tied.count('=') + 1}"
+            if runs and runs[-1][2] == method:
+                runs[-1][1] = gpus
+            else:
+                runs.append([gpus, gpus, method])
+        spans = ", ".join(f"{a}{f'-{b}' if b != a else ''} {m}" for a, b, m in runs)
+        lines.append(f"  {model} on {net} (GPUs: best method): {spans}")
+    return "\n".join(lines)

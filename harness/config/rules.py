@@ -1,0 +1,149 @@
+"""The rules every composed configuration must keep, checked before anything starts.
+
+`validate` reads a DictConfig (a run) or a Frozen one (a simulated sweep) alike. The
+jobs of a simulated sweep share the subtrees their swept values leave alone (Frozen), so
+it checks the model, the method and the network once per distinct subtree, given the
+same `checked` set for the whole sweep; every other rule runs per job.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from harness.config import checks
+from harness.config.frozen import Config, select, thaw
+from harness.config.schema import OPTIMIZERS, ConfigError, first_line
+
+
+def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name}={value} is invalid; it must be {bound}")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is invalid; choose one of: {', '.join(allowed)}")
+
+
+def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None) -> None:
+    """Raise ConfigError for the first rule `cfg` breaks (`simulate`: the job is only
+    simulated, so it may name a real network and an emulated cluster need not be makeable
+    here). `checked`: the ids of the Frozen subtrees already checked in this sweep."""
+    for name in ("model.local_batch_size", "cluster.nodes", "cluster.workers_per_node",
+                 "run.timed_iters", "run.repeats", "run.timeout_s", "verify.steps"):
+        _positive(name, select(cfg, name))
+    for name in ("run.warmup_iters", "run.threads", "verify.atol", "verify.rtol"):
+        _positive(name, select(cfg, name), zero_ok=True)
+    _positive("microbench.repeats", cfg.microbench.repeats)
+    if not 4 <= cfg.microbench.min_bytes <= cfg.microbench.max_bytes:
+        raise ConfigError(f"microbench.min_bytes={cfg.microbench.min_bytes} and max_bytes="
+                          f"{cfg.microbench.max_bytes} are invalid; need 4 <= min <= max")
+    if cfg.cluster.servers is not None:
+        _positive("cluster.servers", cfg.cluster.servers, zero_ok=True)
+    _one_of("cluster.device", cfg.cluster.device, ("auto", "cpu", "cuda"))
+    _one_of("cluster.backend", cfg.cluster.backend, ("auto", "gloo", "nccl"))
+    _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
+    _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
+    _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
+    _once(checked, _check_model, cfg.model)
+    _once(checked, _check_method, cfg.method)
+    _check_servers(cfg.method, cfg.cluster)
+    checks.check_cluster(cfg)
+    checks.check_engine(cfg)
+    _once(checked, checks.check_network, cfg.network)
+    _once(checked, _results_dir, cfg.results_dir)
+    if simulate:  # only measured compute runs processes here (as many as the run has)
+        _check_simulate(cfg)
+        checks.check_fit(cfg, local=cfg.simulate.compute == "measured" and checks.spawns_here(cfg))
+        return
+    checks.check_fit(cfg, local=checks.spawns_here(cfg))
+    checks.check_devices(cfg.cluster, local=checks.spawns_here(cfg))
+    checks.check_links(cfg)
+
+
+def _once(checked: set | None, check, node) -> None:
+    """`check(node)`, unless this sweep checked this very (read-only) subtree already."""
+    if checked is None or isinstance(node, DictConfig):
+        check(node)
+        return
+    key = (check.__name__, id(node))
+    if key not in checked:
+        check(node)
+        checked.add(key)
+
+
+def _results_dir(path: str) -> None:
+    checks.output_dir("results_dir", path)
+
+
+def _check_model(model: Config) -> None:
+    import methods
+    import models
+
+    if model.family not in models.FAMILIES:
+        raise ConfigError(f"model.family={model.family!r} is unknown; "
+                          f"choose one of: {', '.join(sorted(models.FAMILIES))}")
+    family = models.entry(model.family)
+    accepted = family.accepted()
+    for key, value in model.build.items():
+        if key not in accepted:
+            raise ConfigError(f"model.build.{key} is not an argument of the {model.family} "
+                              f"family; it takes: {', '.join(accepted)}")
+        expected = methods.wrong_type(family.params, key, value)
+        if expected:
+            raise ConfigError(f"model.build.{key}={value!r} is invalid; it must be {expected}")
+
+
+def _check_method(method: Config) -> None:
+    import methods
+
+    try:
+        methods.check(thaw(method))
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(first_line(exc, type(exc).__name__)) from None
+
+
+def _check_servers(method: Config, cluster: Config) -> None:
+    """A parameter-server method needs at least one server, unless it runs on one node with
+    node-local aggregation: then it has none (as BytePS on one machine)."""
+    import methods
+
+    if method.transport.get("name") != "ps" or cluster.servers is None:
+        return
+    if not methods.uses_servers(method, nodes=cluster.nodes):
+        if cluster.servers:
+            raise ConfigError(
+                f"method {method.name!r} on cluster.nodes=1 runs without parameter servers "
+                f"(node-local aggregation: BytePS on one machine all-reduces), but "
+                f"cluster.servers={cluster.servers}; drop cluster.servers, or set "
+                "method.transport.local_reduce=false to push every worker's gradients to them")
+    elif cluster.servers == 0:
+        raise ConfigError(f"method {method.name!r} uses parameter servers but cluster.servers=0; "
+                          "set cluster.servers >= 1, or null for one per node")
+
+
+def _check_simulate(cfg: Config) -> None:
+    sim = cfg.simulate
+    for name in ("simulate.profile_iters", "simulate.iterations"):
+        _positive(name, select(cfg, name))
+    for gpus in sim.calibrate_gpus or []:
+        if gpus < 2:
+            raise ConfigError(f"simulate.calibrate_gpus has {gpus}; fit on GPU counts above 1 "
+                              "(one GPU sends nothing), e.g. simulate.calibrate_gpus=[4]")
+    rate = cfg.network.get("rate_mbit")
+    if rate is not None:
+        _positive("network.rate_mbit", rate)
+    if sim.compute == "measured":
+        return
+    if sim.compute not in sim.gpus:
+        raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose measured or a "
+                          f"GPU of simulate.gpus: {', '.join(sim.gpus) or 'none defined'}")
+    if cfg.model.name not in sim.gpus[sim.compute]:
+        raise ConfigError(f"simulate.gpus.{sim.compute} has no 1-GPU throughput of model "
+                          f"{cfg.model.name!r}; add simulate.gpus.{sim.compute}."
+                          f"{cfg.model.name}=<samples/s> or use simulate.compute=measured")
+    throughput = sim.gpus[sim.compute][cfg.model.name]
+    if isinstance(throughput, bool) or not isinstance(throughput, (int, float)) or throughput <= 0:
+        raise ConfigError(f"simulate.gpus.{sim.compute}.{cfg.model.name}={throughput!r} is "
+                          "invalid; it must be a number of samples/s > 0")

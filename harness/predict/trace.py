@@ -1,0 +1,194 @@
+"""One worker's training iteration traced step by step, with torch: the measurements
+behind harness/predict/profile.py's compute, made only where no cached one will do.
+
+One trace gives the steps of an iteration: each parameter-owning module's forward (in
+execution order, with the layers its forward needs), the moment each gradient is ready
+during backward (backward order, as the methods lay gradients out) and the optimizer
+step, stamped by a clock: FLOPs counted on the meta device (`count_flops`, a cache
+miss), or wall-clock time on this machine's device (`measure`). Each returns the fields
+of profile.Compute as a dict (what the cache keeps). torch, the models and the methods'
+torch side are imported inside the functions, so the predictor imports this module
+without them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+def _trace(model: nn.Module, batch: dict, clock: Callable[[], float],
+           optimizer: torch.optim.Optimizer | None = None) -> tuple[list, list[float], list[float]]:
+    """One iteration stamped by `clock`: ([(layers needed, end) per parameter-owning
+    module's forward, execution order], gradient ready times, [start, forward end,
+    backward end, step end])."""
+    from methods.base import backward_order
+    from methods.layerwise import module_layers
+
+    params = backward_order(model)
+    _, _, needs = module_layers(model, params)
+    index = {p: i for i, p in enumerate(params)}
+    ends: list[tuple[tuple[int, ...], float]] = []
+    ready = [0.0] * len(params)
+    hooks = [m.register_forward_hook(lambda m, *_: ends.append((tuple(needs[m]), clock())))
+             for m in needs]
+    hooks += [p.register_post_accumulate_grad_hook(
+        lambda p: ready.__setitem__(index[p], clock())) for p in params]  # last one wins
+    try:
+        start = clock()
+        loss = model(batch)
+        forward_end = clock()
+        loss.backward()
+        backward_end = clock()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return ends, ready, [start, forward_end, backward_end, clock()]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _steps(model: nn.Module, ends: list, ready: list[float], marks: list[float],
+           *, scale: float, source: str) -> dict[str, Any]:
+    """The fields of profile.Compute from one trace's stamps, each step times `scale`."""
+    from methods.base import backward_order
+    from methods.layerwise import module_layers
+
+    params = backward_order(model)
+    _, layer_of, _ = module_layers(model, params)
+    start, forward_end, backward_end, step_end = marks
+    order, times = zip(*ends)
+    # a step is everything since the previous one ended; the loss joins the last step
+    steps = [b - a for a, b in zip([start, *times], times)]
+    steps[-1] += forward_end - times[-1]
+    # a gradient is ready after forward, and no earlier than the ones before it
+    ready = list(itertools.accumulate((max(r, forward_end) for r in ready), max))
+    backward = [b - a for a, b in zip([forward_end, *ready], ready)]
+    backward[-1] += backward_end - ready[-1]
+    return {"sizes": [p.numel() for p in params], "backward_s": [t * scale for t in backward],
+            "layer_of": layer_of, "forward": [(n, t * scale) for n, t in zip(order, steps)],
+            "update_s": (step_end - backward_end) * scale, "source": source}
+
+
+def count_flops(family: str, build: Mapping[str, Any]) -> dict[str, Any]:
+    """The iteration of one sample in FLOPs per step, counted on the meta device."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import models
+
+    with torch.device("meta"):
+        model = models.family_class(family)(**build)
+        batch = model.make_batch(1, None)  # FLOPs grow linearly with the batch
+    counter = FlopCounterMode(display=False)
+    with counter:
+        trace = _trace(model, batch, lambda: float(counter.get_total_flops()))
+    return _steps(model, *trace, scale=1.0, source="flops")
+
+
+def measure(model_cfg: Mapping[str, Any], *, processes: int, threads: int, iters: int,
+            device: str, seed: int = 0) -> dict[str, Any]:
+    """Steps timed on `device` in `processes` processes of `threads` threads at once (the
+    workers of a run sharing this machine); one process: in this one."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if processes > 1:
+        return _measured_together(model_cfg, processes=processes, threads=threads, iters=iters,
+                                  device=device, seed=seed)
+    return _measured(model_cfg, iters=iters, device=device, seed=seed)
+
+
+def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: int = 0,
+              start: Callable[[], object] = lambda: None,
+              keep_busy: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    """Steps timed on `device` (synchronized at each stamp), median of `iters` iterations.
+
+    `start` is called once the model is built, before the first iteration; after
+    the timed ones, iterations go on while `keep_busy()` (load for other profiles).
+    """
+    import torch
+
+    from harness.measure.bench import plain_training
+    from harness.measure.timing import device_sync
+
+    where = torch.device(device)
+    model, optimizer, batch = plain_training(model_cfg, seed=seed, device=where)
+
+    def clock() -> float:
+        device_sync(where)
+        return time.perf_counter()
+
+    start()
+    traces = [_trace(model, batch, clock, optimizer) for _ in range(2 + iters)][2:]
+    while keep_busy():
+        _trace(model, batch, clock, optimizer)
+    order = [n for n, _ in traces[0][0]]
+    # every stamp relative to its iteration's start, then the median per stamp
+    rel = [([t - marks[0] for _, t in ends], [t - marks[0] for t in ready],
+            [t - marks[0] for t in marks]) for ends, ready, marks in traces]
+    ends, ready, marks = ([statistics.median(v) for v in zip(*(r[k] for r in rel))]
+                          for k in range(3))
+    return _steps(model, list(zip(order, ends)), ready, marks, scale=1.0,
+                  source=f"measured:{where.type}")
+
+
+def _profile_process(model_cfg: dict, iters: int, device: str, seed: int, threads: int,
+                     barrier, finished, out) -> None:
+    """One of `_measured_together`'s processes: all start their iterations together, and
+    each goes on iterating until every one has finished its timed ones."""
+    import torch
+
+    from harness.config.frozen import freeze
+
+    torch.set_num_threads(threads)
+    counted = False
+
+    def keep_busy() -> bool:
+        nonlocal counted
+        if not counted:
+            counted = True
+            with finished.get_lock():
+                finished.value += 1
+        return finished.value < barrier.parties
+
+    out.put(_measured(freeze(model_cfg), iters=iters, device=device, seed=seed,
+                      start=barrier.wait, keep_busy=keep_busy))
+
+
+def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads: int,
+                       iters: int, device: str, seed: int = 0) -> dict[str, Any]:
+    """`_measured` in `processes` processes at once; each step's mean over them."""
+    import multiprocessing as mp
+
+    from harness.config.frozen import thaw
+
+    ctx = mp.get_context("spawn")
+    barrier, finished, out = ctx.Barrier(processes), ctx.Value("i", 0), ctx.Queue()
+    args = (thaw(model_cfg), iters, device, seed, threads, barrier, finished, out)
+    procs = [ctx.Process(target=_profile_process, args=args, daemon=True)
+             for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    try:
+        runs = [out.get(timeout=600) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    first = runs[0]
+    return {**first,
+            "backward_s": [statistics.fmean(v) for v in zip(*(r["backward_s"] for r in runs))],
+            "forward": [(needs, statistics.fmean(v)) for (needs, _), *v in
+                        zip(first["forward"], *([t for _, t in r["forward"]] for r in runs))],
+            "update_s": statistics.fmean(r["update_s"] for r in runs),
+            "source": f"{first['source']} x{processes} processes"}

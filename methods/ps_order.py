@@ -1,0 +1,162 @@
+"""A node for local aggregation (BytePS) and the one order of its collectives.
+
+One order for the node's collectives. Each worker's poster reduces units and its lander
+broadcasts them, on two groups (one NCCL communicator each on GPUs), and the root's
+broadcast of a unit waits for its pulls, while the other workers could broadcast at
+once: left to timing, the reduces and broadcasts would be queued in different orders on
+different workers, and where the communicators' kernels cannot run side by side
+(CUDA_DEVICE_MAX_CONNECTIONS=1, MPS, a busy device) each worker's next kernel waits for
+one its peers queued behind another: a deadlock. So on every worker one thread, the
+node thread (`NodeOrder`), issues all of the node's collectives, and they go in the
+order the root's poster and lander ask for them: the root's node thread announces each
+(reduce or broadcast, methods/order.py) before issuing it, and the others' issue
+exactly that sequence, each once their own poster or lander asks for it. Every
+collective of a node, on any of its groups, follows this one order; whatever replaces
+the reduce and broadcast (a reduce-scatter and all-gather per partition) must go
+through it too.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from methods.base import side_stream, start_thread, wait_for
+from methods.order import OrderFollower, OrderLeader
+from methods.ps_wire import naming
+
+REDUCE, BROADCAST = 0, 1  # the node's collectives, as the root announces them
+
+
+class Node:
+    """This worker's node for local aggregation (BytePS): its first worker (the root) pushes
+    and pulls for all; the unit is reduced to the root before and broadcast after, each on
+    a group of its own, both issued in one order (`NodeOrder`). A node of one worker does
+    neither."""
+
+    def __init__(self, rank: int, size: int, groups: tuple | None) -> None:
+        if size > 1 and not groups:
+            raise ValueError("node-local aggregation needs the node's process groups "
+                             "(harness.launch.rank makes them; pass node_groups)")
+        self.size, self.root = size, rank - rank % size
+        self.is_root = rank == self.root
+        self.reduce_group, self.broadcast_group = groups if size > 1 else (None, None)
+        self.name = f"the workers of the node of rank {self.root}"
+
+    def collective(self, kind: int, chunk: torch.Tensor) -> dist.Work:
+        """Start the node's reduce of `chunk` to the root, or the root's broadcast of it."""
+        with naming(self.name):
+            if kind == REDUCE:
+                return dist.reduce(chunk, dst=self.root, group=self.reduce_group, async_op=True)
+            return dist.broadcast(chunk, src=self.root, group=self.broadcast_group,
+                                  async_op=True)
+
+
+class _Ask:
+    """A poster's or lander's request to the node thread: one collective on `chunk`, queued
+    after `after` (an event; None on CPU)."""
+
+    __slots__ = ("kind", "chunk", "after", "work", "error", "issued")
+
+    def __init__(self, kind: int, chunk: torch.Tensor, after: torch.cuda.Event | None) -> None:
+        self.kind, self.chunk, self.after = kind, chunk, after
+        self.work: dist.Work | None = None
+        self.error: BaseException | None = None
+        self.issued = threading.Event()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.issued.set()
+
+
+class NodeOrder:
+    """The node thread: issues every collective of the node, in the order the root's poster
+    and lander ask for them, on every worker of the node (module docstring)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.order = (OrderLeader if node.is_root else OrderFollower)(node.reduce_group)
+        self.asks: queue.SimpleQueue = queue.SimpleQueue()  # in the order asked
+        self.waiting: tuple[list[_Ask], list[_Ask]] = ([], [])  # others: asked, by kind
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def run(self, kind: int, chunk: torch.Tensor, *, after: torch.cuda.Event | None,
+            timeout_s: float) -> None:
+        """Have the collective issued in the node's order, then make the caller's current
+        stream wait for it (CPU: return once it is done)."""
+        ask = _Ask(kind, chunk, after)
+        with self.lock:
+            if self.error is not None:
+                raise self.error
+            if self.thread is None:  # the first collective: the thread starts on its device
+                self.thread = start_thread(self._run, name="ps-node", device=chunk.device,
+                                           stream=side_stream(chunk.device))
+            self.asks.put(ask)
+        if not ask.issued.wait(timeout_s):
+            raise RuntimeError(f"{self.node.name} failed or did not answer: the node's "
+                               f"collective was not issued within {timeout_s:g} s")
+        if ask.error is not None:
+            raise ask.error
+        with naming(self.node.name):
+            ask.work.wait()
+
+    def _run(self) -> None:
+        try:
+            while (ask := self._next()) is not None:
+                wait_for(ask.after, ask.chunk.device)
+                ask.work = self.node.collective(ask.kind, ask.chunk)
+                ask.issued.set()
+        except BaseException as exc:  # noqa: BLE001 - handed to every ask, now and later
+            with self.lock:
+                self.error = exc
+                while True:
+                    try:
+                        ask = self.asks.get_nowait()
+                    except queue.Empty:
+                        break
+                    if ask is not None:
+                        ask.fail(exc)
+                for ask in self.waiting[REDUCE] + self.waiting[BROADCAST]:
+                    ask.fail(exc)
+
+    def _next(self) -> _Ask | None:
+        """The root: the next ask, announced. The others: the announced kind's next ask."""
+        if self.node.is_root:
+            ask = self.asks.get()
+            if ask is None:
+                self.order.close()
+                return None
+            with naming(self.node.name):
+                self.order.announce([ask.kind])
+            return ask
+        with naming(f"the root of {self.node.name}"):
+            announced = self.order.next()
+        if announced is None:
+            return None
+        kind = announced[0]
+        while not self.waiting[kind]:
+            ask = self.asks.get()
+            self.waiting[ask.kind].append(ask)
+        return self.waiting[kind].pop(0)
+
+    def stop(self, timeout_s: float) -> None:
+        """After the last ask: the root tells the others; every node thread ends."""
+        with self.lock:
+            started = self.thread is not None
+        if not started:  # no collective at all: only the end of the sequence to pass on
+            if self.node.is_root:
+                self.order.close()
+            elif self.order.next() is not None:
+                raise RuntimeError(f"{self.node.name}: the root issued collectives this "
+                                   "worker never asked for")
+            return
+        if self.node.is_root:
+            self.asks.put(None)
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the ps-node thread did not finish within {timeout_s:g} s")
