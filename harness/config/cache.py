@@ -24,7 +24,8 @@ def directory() -> Path:
 
 
 @functools.cache  # reading a package's metadata takes milliseconds; it stays put
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """An installed distribution's version, from its metadata (None: not installed)."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -48,7 +49,7 @@ def cached(kind: str, key: object, make: Callable[[], dict], *,
     """`make()`, or what it returned before for the same `kind`, `key` (JSON-able), files of
     `sources` (each a folder and a glob pattern) and versions of `libraries` (read from
     their installed metadata: nothing is imported)."""
-    versions = {d: _version(d) for d in libraries}
+    versions = {d: installed_version(d) for d in libraries}
     text = json.dumps([key, versions, [_digest(s) for s in sources]], sort_keys=True)
     path = directory() / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     if path.exists():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from harness.config import engine as horovod
+from harness.config.cache import installed_version
 from harness.config.frozen import Config, to_json
 from harness.config.ranks import num_servers, num_workers
 from harness.config.schema import REPO, first_line
@@ -116,7 +116,7 @@ def software() -> dict:
     env = json.dumps({k: v for k, v in sorted(os.environ.items())
                       if k.startswith(("NCCL_", "GLOO_", "HOROVOD_"))})
     if torch is None:
-        return {"torch_version": _installed("torch"), "comm_env_json": env}
+        return {"torch_version": installed_version("torch"), "comm_env_json": env}
     cudnn = torch.backends.cudnn.version()
     return {
         "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
@@ -134,14 +134,6 @@ def nccl_version() -> str | None:
         return None
     version = torch.cuda.nccl.version()
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-@functools.cache  # reading a package's metadata takes milliseconds; it stays put
-def _installed(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @functools.cache  # one per process: a sweep's rows name one commit
