@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from methods import base, layerwise, order, priority
+from methods import base, layerwise, order, priority, ps_order
 from methods import ps_node as ps
 from methods.base import GradBuffer, backward_order, until_completed
 from methods.plan import PerTensor
@@ -511,9 +511,9 @@ class _Done:
 def test_every_worker_of_a_node_issues_the_nodes_collectives_in_the_roots_order(
         monkeypatch) -> None:
     channel, issued = _Channel(), {True: [], False: []}
-    monkeypatch.setattr(ps, "OrderLeader", channel.leader)
-    monkeypatch.setattr(ps, "OrderFollower", channel.follower)
-    monkeypatch.setattr(ps, "start_thread", lambda target, *, name, device, stream=None:
+    monkeypatch.setattr(ps_order, "OrderLeader", channel.leader)
+    monkeypatch.setattr(ps_order, "OrderFollower", channel.follower)
+    monkeypatch.setattr(ps_order, "start_thread", lambda target, *, name, device, stream=None:
                         base.start_thread(target, name=name, device=device))
 
     def collective(node, kind, chunk):
