@@ -27,7 +27,7 @@ import models
 from harness.config.ranks import num_workers
 from harness.launch.rank import Context
 from harness.measure import results
-from harness.measure.results import identity, nccl_version  # noqa: F401 - re-exported
+from harness.measure.results import identity
 from harness.measure.timing import PHASES, Clock, timed_window
 
 
