@@ -21,7 +21,7 @@ from harness import config
 from harness.measure import results
 from tests.conftest import run_module
 
-SHORT = ["model=bert_tiny", "cluster.workers_per_node=2", "run.warmup_iters=1",
+SHORT = ["model=bert_tiny", "cluster.workers_per_node=2", "run.warmup_iters=5",  # MG-WFBP profiles 5
          "run.timed_iters=2", "run.repeats=1"]
 ABORTS = ("terminate called", "Traceback", "core dumped")
 

@@ -188,6 +188,9 @@ def test_defaults() -> None:
         ("model.optimizer.name=lamb", ["model.optimizer.name='lamb'", "sgd"]),
         ("+model.build.depth=3", ["model.build.depth"]),
         ("run.nope=1", ["run.nope"]),
+        # TINY warms up 1 iteration: MG-WFBP's 5 profiled ones would reach the timed window
+        ("method=mgwfbp", ["method.planner.profile_iters=5", "run.warmup_iters=1",
+                           "run.warmup_iters>=5"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(override: str, words: list[str], capsys,

@@ -3,7 +3,8 @@
 - A credit comes back only once a partition's communication has really finished
   (`Handle.complete`), not when `wait` returned (on NCCL: the stream was ordered).
 - `until_completed` polls `Work.is_completed()` within the timeout.
-- The backward profiler synchronizes the device before every stamp.
+- The backward profiler stamps a GPU's backward with events, read after the iteration,
+  and never synchronizes inside backward.
 - The PS pipeline posts per server the control header before the data, from its own
   threads, surfaces their errors on the caller naming the server, and stops them on close.
 - Every thread a method starts sets the rank's device before entering a stream of its
@@ -172,22 +173,50 @@ def test_until_completed_polls_then_waits_and_times_out() -> None:
         until_completed(_Work(polls_left=10**9), timeout_s=0.05, what="unit 3")
 
 
-def test_profiler_synchronizes_the_device_before_every_stamp(monkeypatch) -> None:
-    calls: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", calls.append)
+class _FakeEvent:
+    """torch.cuda.Event on a host without GPUs: records the clock; counts its reads."""
+
+    made: list[_FakeEvent] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at, self.synced = None, False
+        _FakeEvent.made.append(self)
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert end.synced, "read before it was waited for"
+        return (end.at - self.at) * 1e3
+
+
+def test_profiler_times_a_gpus_backward_with_events_not_synchronizes(monkeypatch) -> None:
+    def no_sync(*_):
+        raise AssertionError("the profiler synchronized the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.made.clear()
     model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))  # 16 each
     params = backward_order(model)
     profiler = BackwardProfiler(model, params, device=torch.device("cuda", 0))
-    model(torch.ones(2, 4)).sum().backward()
-    profiler.end_iteration()
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        profiler.end_iteration()
     profiler.close()
-    # the end of forward, the start of backward, then one stamp per gradient
-    assert calls == [torch.device("cuda", 0)] * (2 + len(params))
-    calls.clear()
+    # per iteration: the end of forward, the start of backward, one per gradient
+    assert len(_FakeEvent.made) == 2 * (2 + len(params))
+    for ready in profiler.iterations:  # seconds after backward started, in backward order
+        assert all(0 <= r < 1 for r in ready) and ready == sorted(ready)
     cpu = BackwardProfiler(model, params, device=torch.device("cpu"))
     model(torch.ones(2, 4)).sum().backward()
+    cpu.end_iteration()
     cpu.close()
-    assert calls == []
+    assert len(_FakeEvent.made) == 2 * (2 + len(params)) and len(cpu.iterations[0]) == 3
 
 
 class _Message:

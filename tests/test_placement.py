@@ -23,24 +23,40 @@ def test_an_nccl_run_sends_cpu_tensors_over_gloo_and_servers_hold_no_nccl() -> N
     assert group_backend("gloo", worker=True) == group_backend("gloo", worker=False) == "gloo"
 
 
-@pytest.mark.parametrize(("local_rank", "visible", "expected"), [
-    (0, 4, "cuda:0"), (3, 4, "cuda:3"),
-    (3, 1, "cuda:0"),  # srun --gpus-per-task=1: the one GPU the task sees
-])
-def test_a_gpu_worker_takes_the_gpu_its_task_sees(local_rank, visible, expected) -> None:
-    assert pick_device("cuda", worker=True, local_rank=local_rank,
-                       visible=visible) == torch.device(expected)
+@pytest.mark.parametrize(("rank", "visible", "expected"), [(0, 4, "cuda:0"), (3, 4, "cuda:3")])
+def test_a_local_worker_takes_the_gpu_of_its_rank(rank, visible, expected) -> None:
+    assert pick_device("cuda", worker=True, index=rank, visible=visible) == torch.device(expected)
 
 
 def test_servers_and_cpu_runs_stay_on_the_cpu() -> None:
-    assert pick_device("cuda", worker=False, local_rank=2, visible=4).type == "cpu"
-    assert pick_device("cpu", worker=True, local_rank=0, visible=4).type == "cpu"
+    assert pick_device("cuda", worker=False, index=2, visible=4).type == "cpu"
+    assert pick_device("cpu", worker=True, index=0, visible=4).type == "cpu"
 
 
-@pytest.mark.parametrize("visible", [0, 2])
-def test_a_worker_without_a_gpu_of_its_own_is_told_how_to_bind(visible) -> None:
-    with pytest.raises(ConfigError, match="gpus-per-task"):
-        pick_device("cuda", worker=True, local_rank=2, visible=visible)
+@pytest.mark.parametrize("visible", [0, 1, 2])
+def test_a_local_worker_without_a_gpu_of_its_own_is_told_the_fix(visible) -> None:
+    with pytest.raises(ConfigError, match=r"worker 2 has no GPU.*cluster.device=cpu"):
+        pick_device("cuda", worker=True, index=2, visible=visible)
+
+
+@pytest.mark.parametrize(("nodes", "per_node", "fits"), [(2, 1, True), (2, 2, True), (3, 2, False),
+                                                          (1, 5, False)])
+def test_emulated_nodes_on_a_gpu_host_get_gpus_of_their_own(monkeypatch, nodes, per_node,
+                                                             fits) -> None:
+    """Every emulated node's workers run on this host: worker r takes GPU r, so two nodes
+    never share GPU 0, and a layout with more workers than GPUs is refused before a start."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    overrides = [f"cluster.nodes={nodes}", f"cluster.workers_per_node={per_node}",
+                 "cluster.device=cuda", "method=ddp"]
+    if not fits:
+        with pytest.raises(ConfigError, match=rf"= {nodes * per_node} workers.*exceed its 4 GPUs"):
+            config.load(overrides)  # validates
+        return
+    config.load(overrides)
+    workers = nodes * per_node
+    devices = [pick_device("cuda", worker=True, index=r, visible=4) for r in range(workers)]
+    assert len(set(devices)) == workers  # the emulated nodes' GPUs are disjoint
 
 
 def test_srun_cpus_per_task_are_not_divided_again(monkeypatch) -> None:

@@ -184,16 +184,18 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
     if cluster.gloo_ifname is not None and cluster.name == "emulated":
         raise ConfigError("cluster.gloo_ifname is set by the emulated network itself; "
                           "remove the override")
-    if not local:  # a login node, or a rank that finds its GPU itself (launch.pick_device)
+    if not local:  # a login node, or ranks that torchrun or srun placed (launch.rank)
         return
     if cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
     if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":
         raise ConfigError("cluster.backend=nccl needs GPUs; use cluster.backend=gloo on CPU")
-    gpus = torch.cuda.device_count()
-    if resolve_device(cluster) == "cuda" and cluster.workers_per_node > gpus:
-        raise ConfigError(f"cluster.workers_per_node={cluster.workers_per_node} exceeds the "
-                          f"{gpus} GPUs of this node; lower it or use cluster.device=cpu")
+    gpus, workers = torch.cuda.device_count(), cluster.nodes * cluster.workers_per_node
+    if resolve_device(cluster) == "cuda" and workers > gpus:  # each emulated node its own GPUs
+        raise ConfigError(
+            f"cluster.nodes={cluster.nodes} x cluster.workers_per_node={cluster.workers_per_node}"
+            f" = {workers} workers, all started on this machine, exceed its {gpus} GPUs (one "
+            "each); lower them or use cluster.device=cpu")
 
 
 def missing_net_tools() -> list[str]:

@@ -58,6 +58,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
         checks.check_fit(cfg, local=cfg.simulate.compute == "measured" and checks.spawns_here(cfg))
         return
     checks.check_fit(cfg, local=checks.spawns_here(cfg))
+    _check_profile(cfg.method.planner, cfg.run)
     checks.check_devices(cfg.cluster, local=checks.spawns_here(cfg))
     checks.check_links(cfg)
 
@@ -121,6 +122,17 @@ def _check_servers(method: Config, cluster: Config) -> None:
     elif cluster.servers == 0:
         raise ConfigError(f"method {method.name!r} uses parameter servers but cluster.servers=0; "
                           "set cluster.servers >= 1, or null for one per node")
+
+
+def _check_profile(planner: Config, run: Config) -> None:
+    """A planner that profiles the first iterations (MG-WFBP) does so inside the warm-up:
+    a profiled iteration runs one bucket after backward, not the method being timed."""
+    profiled = planner.get("profile_iters") or 0
+    if profiled > run.warmup_iters:
+        raise ConfigError(
+            f"method.planner.profile_iters={profiled} profiles iterations that "
+            f"run.warmup_iters={run.warmup_iters} would leave inside the timed window; set "
+            f"run.warmup_iters>={profiled} or method.planner.profile_iters<={run.warmup_iters}")
 
 
 def _check_simulate(cfg: Config) -> None:

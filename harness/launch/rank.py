@@ -74,20 +74,20 @@ def group_backend(backend: str, *, worker: bool) -> str:
     return "cpu:gloo,cuda:nccl" if worker else "cpu:gloo"
 
 
-def pick_device(device_type: str, *, worker: bool, local_rank: int, visible: int
+def pick_device(device_type: str, *, worker: bool, index: int, visible: int
                 ) -> torch.device:
-    """A rank's device: servers and CPU runs the CPU; a GPU worker the one GPU its task
-    sees (Slurm's --gpus-per-task / --gpu-bind), else GPU `local_rank` of the node's."""
+    """A rank's device when the local launcher started it: servers and CPU runs the CPU;
+    a GPU worker GPU `index` of this machine (its rank: every worker of every emulated
+    node runs here, so each emulated node has GPUs of its own)."""
     if device_type != "cuda" or not worker:
         return torch.device("cpu")
-    if visible == 1:
-        return torch.device("cuda", 0)
-    if not 0 <= local_rank < visible:
+    if not 0 <= index < visible:
         raise ConfigError(
-            f"local rank {local_rank} has no GPU of its own: this process sees {visible} GPUs "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give "
-            "each task one GPU (srun --gpus-per-task=1) or each node one GPU per worker")
-    return torch.device("cuda", local_rank)
+            f"worker {index} has no GPU of its own: this machine shows {visible} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at "
+            "most one worker per GPU (cluster.nodes x cluster.workers_per_node), or "
+            "cluster.device=cpu")
+    return torch.device("cuda", index)
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,8 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
     try:
         device_type = resolve_device(cfg.cluster)
         device = torch.device("cpu")
-        if not placed:  # the local launcher's own layout: GPU `local_rank` of this machine's
-            device = pick_device(device_type, worker=worker, local_rank=local_rank,
+        if not placed:  # the local launcher's: worker r takes this machine's GPU r
+            device = pick_device(device_type, worker=worker, index=rank,
                                  visible=torch.cuda.device_count() if worker else 0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
