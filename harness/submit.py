@@ -52,7 +52,7 @@ from harness.measure import results
 
 SUBMIT_KEYS = ("dry_run",)
 IDENTITY = ("model", "method", "engine", "nodes", "workers_per_node", "servers", "network",
-            "local_batch_size", "warmup_iters", "timed_iters")
+            "local_batch_size", "warmup_iters", "timed_iters", "sync_each_step")
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -78,7 +78,8 @@ def identity(cfg: DictConfig) -> tuple:
     """What makes two runs the same configuration (the result columns in IDENTITY)."""
     return (cfg.model.name, cfg.method.name, cfg.engine, cfg.cluster.nodes,
             cfg.cluster.workers_per_node, num_servers(cfg), cfg.network.name,
-            cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters)
+            cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters,
+            cfg.run.sync_each_step)
 
 
 def completed(results_dir: str | Path) -> dict[tuple, int]:

@@ -114,6 +114,10 @@ def _check_sizes(method: Mapping[str, Any]) -> None:
     if rule is not None and rule not in ASSIGNMENTS:
         raise ValueError(f"method {method['name']!r}: method.transport.assignment={rule!r} is "
                          f"unknown; choose one of: {', '.join(ASSIGNMENTS)}")
+    cost = method["planner"].get("cost")
+    if cost is not None and cost not in ("fitted", "study"):
+        raise ValueError(f"method {method['name']!r}: method.planner.cost={cost!r} is unknown; "
+                         "choose fitted (measured on the run) or study (the study's table)")
     cycle = method["scheduler"].get("cycle_s")
     if cycle is not None and cycle < 0:
         raise ValueError(f"method {method['name']!r}: method.scheduler.cycle_s={cycle} is "
@@ -122,12 +126,13 @@ def _check_sizes(method: Mapping[str, Any]) -> None:
 
 def build(method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device: torch.device,
           timeout_s: float = 300.0, workers_per_node: int = 1,
-          node_groups: tuple | None = None) -> Method:
+          node_groups: tuple | None = None, network: str | None = None) -> Method:
     """Instantiate the method described by a conf/method/ entry on the workers' group.
 
     `timeout_s` bounds every wait of the method that torch.distributed does not; PS
     methods aggregate inside nodes of `workers_per_node` workers on `node_groups`
-    (harness.launch.node_groups). Imports the pieces' classes, and torch with them.
+    (harness.launch.node_groups); `network` names the run's network (MG-WFBP's
+    cost=study reads its family's table). Imports the pieces' classes, and torch with them.
     """
     from methods.engine import Engine
 
@@ -142,7 +147,7 @@ def build(method: Mapping[str, Any], *, group: dist.ProcessGroup | None, device:
         name=method["name"],
         transport=_injected(TRANSPORTS[transport], t_args, group=group, timeout_s=timeout_s,
                             workers_per_node=workers_per_node, node_groups=node_groups),
-        planner=PLANNERS[planner].load()(**p_args),
+        planner=_injected(PLANNERS[planner], p_args, network=network),
         scheduler=_injected(SCHEDULERS[scheduler], s_args, timeout_s=timeout_s),
         timeout_s=timeout_s,
     )

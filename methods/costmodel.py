@@ -2,7 +2,8 @@
 
 Pure arithmetic, no torch: MG-WFBP plans with a `Cost`, the simulator fits one to a
 network's modelled all-reduce, and methods/costtiming.py fits one to all-reduces timed
-on a real process group (at MG-WFBP's start-up, and in the microbenchmark).
+on a real process group (at MG-WFBP's start-up, and in the microbenchmark). Or MG-WFBP
+reads the study's own table (`study_cost`, `method.planner.cost: study`).
 """
 
 from __future__ import annotations
@@ -33,3 +34,33 @@ def least_squares(nbytes: list[float], seconds: list[float]) -> Cost:
     beta = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
     beta = max(beta, 0.0)
     return Cost(alpha=max(my - beta * mx, 0.0), beta=beta)
+
+
+# MG-WFBP's alpha (s) and beta (s/byte) as the study ran it: hard-coded per worker count and
+# network family (ddl-benchmarks mgwfbp/hv_distributed_optimizer.py; rdma=1 is IB, rdma=0
+# the TCP of both Ethernet networks), not fitted at run time.
+STUDY_COSTS = {
+    "ib": {2: (2.555e-6, 9.838e-11), 4: (4.204e-5, 2.059e-10), 8: (9.754e-5, 3.057e-10),
+           16: (7.075e-4, 4.059e-10), 32: (4.063e-4, 4.907e-10), 64: (8.063e-4, 5.888e-10)},
+    "tcp": {2: (2.555e-6, 9.838e-11), 4: (4.204e-5, 2.059e-10), 8: (5.230e-4, 8.571e-10),
+            16: (9.081e-4, 7.396e-10), 32: (4.043e-3, 8.643e-10), 64: (7.043e-3, 9.643e-10)},
+}
+
+
+def network_family(network: str | None) -> str:
+    """The study's table a network reads: IB for an InfiniBand profile (ib*), else TCP."""
+    return "ib" if (network or "").startswith("ib") else "tcp"
+
+
+def study_cost(network: str | None, workers: int) -> Cost:
+    """The study's all-reduce cost for `workers` on `network`'s family; one worker sends
+    nothing. ValueError for a count the study's table lacks."""
+    if workers == 1:
+        return Cost(alpha=0.0, beta=0.0)
+    table = STUDY_COSTS[network_family(network)]
+    if workers not in table:
+        raise ValueError(f"MG-WFBP's cost=study has the study's alpha and beta for "
+                         f"{', '.join(map(str, table))} workers, not {workers}; use "
+                         "method.planner.cost=fitted (measured on this run)")
+    alpha, beta = table[workers]
+    return Cost(alpha=alpha, beta=beta)

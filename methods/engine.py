@@ -4,8 +4,8 @@ DESIGN.md's Table I describes every method by the same switches; the engine
 composes them. A planner that needs measurements of the running job (MG-WFBP)
 gets them here: the first `profile_iters` iterations run with one bucket after
 backward while a profiler records when each gradient is ready; then the engine
-fits the all-reduce cost, asks the planner for its plan and hands the real
-scheduler the new units.
+fits the all-reduce cost (or reads the study's table: `cost: study`), asks the
+planner for its plan and hands the real scheduler the new units.
 
 When the transport has nothing to move (one worker on an all-reduce: its
 gradient already is the average), the engine steps aside: no buffer, no hooks,
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from methods.base import GradBuffer, Method, Scheduler, Transport, backward_named, backward_order
+from methods.costmodel import study_cost
 from methods.costtiming import fit_allreduce_cost
 from methods.order import global_rank
 from methods.plan import Unit
@@ -86,9 +87,12 @@ class Engine(Method):
         self.profiler.close()
         self.profiler = None
         flat = self.buffer.flat
-        cost = fit_allreduce_cost(group, sizes=self.planner.fit_sizes,
-                                  repeats=self.planner.fit_repeats, dtype=flat.dtype,
-                                  device=flat.device)
+        if self.planner.cost_from == "study":  # the study's table, as its merges used
+            cost = study_cost(self.planner.network, dist.get_world_size(group))
+        else:
+            cost = fit_allreduce_cost(group, sizes=self.planner.fit_sizes,
+                                      repeats=self.planner.fit_repeats, dtype=flat.dtype,
+                                      device=flat.device)
         units = self.planner.plan_measured(self.buffer.sizes, backward_s=backward_s, cost=cost,
                                            element_size=self._element_size())
         # Every rank planned from the same agreed numbers; still, collectives must match

@@ -76,6 +76,7 @@ class MergedGroupsArgs:
     profile_iters: int = 5
     fit_sizes: list[int] | None = None
     fit_repeats: int = 10
+    cost: str = "fitted"  # fitted on the run, or study: the study's alpha/beta table
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ PLANNERS: dict[str, Piece] = {
     "bucket": Piece("methods.plan:Bucket", NoArgs),
     "per_tensor": Piece("methods.plan:PerTensor", NoArgs),
     "partition": Piece("methods.plan:Partition", PartitionArgs),
-    "mgwfbp": Piece("methods.plan:MergedGroups", MergedGroupsArgs),
+    "mgwfbp": Piece("methods.plan:MergedGroups", MergedGroupsArgs, ("network",)),
 }
 SCHEDULERS: dict[str, Piece] = {
     "after_backward": Piece("methods.sched:AfterBackward", HookArgs, ("timeout_s",)),

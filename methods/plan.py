@@ -187,15 +187,21 @@ class MergedGroups:
     """MG-WFBP: consecutive tensors merged from measured backward times and all-reduce cost.
 
     The engine runs the first `profile_iters` iterations with one bucket after
-    backward while it records when each gradient is ready, fits the all-reduce
-    cost on the workers' group, agrees on both across ranks, and then asks
+    backward while it records when each gradient is ready, takes the all-reduce cost
+    (`cost`: fitted on the workers' group, or the study's table for the `network`'s
+    family and the worker count), agrees on both across ranks, and then asks
     `plan_measured` for the groups.
     """
 
     def __init__(self, *, profile_iters: int = 5, fit_sizes: list[int] | None = None,
-                 fit_repeats: int = 10) -> None:
+                 fit_repeats: int = 10, cost: str = "fitted", network: str | None = None
+                 ) -> None:
         if profile_iters < 1:
             raise ValueError(f"planner profile_iters={profile_iters} is invalid; it must be >= 1")
+        if cost not in ("fitted", "study"):
+            raise ValueError(f"planner cost={cost!r} is invalid; choose fitted (measured on "
+                             "the run) or study (the study's alpha and beta table)")
+        self.cost_from, self.network = cost, network
         self.profile_iters = profile_iters
         self.fit_sizes = fit_sizes
         self.fit_repeats = fit_repeats
@@ -217,6 +223,7 @@ class MergedGroups:
     def describe(self) -> dict[str, Any]:
         return {
             "planner": "mgwfbp", "profile_iters": self.profile_iters, "groups": self.groups,
+            "cost": self.cost_from,
             "alpha_s": self.cost.alpha if self.cost else None,
             "beta_s_per_byte": self.cost.beta if self.cost else None,
             "backward_s": self.backward_s,

@@ -96,19 +96,28 @@ def test_harness_verify_passes_on_horovod(method: str) -> None:
 
 @pytest.mark.horovod
 @loads_horovod
-def test_a_run_on_horovod_records_its_version_and_settings(results_dir: Path) -> None:
-    out = run_module("harness.run", "engine=horovod", "method=bytescheduler_a2a", *BERT,
+@pytest.mark.parametrize(("method", "settings", "cycle_ms"), [
+    ("bytescheduler_a2a", (64 << 20, 0.005, 1024), "5"),  # Horovod's defaults of the time
+    ("wfbp_a2a", (0, 0.0, 0), "0"),  # the study's own optimizer: no fusion, cycle or cache
+])
+def test_a_run_on_horovod_records_its_version_and_settings(results_dir: Path, method: str,
+                                                          settings: tuple, cycle_ms: str) -> None:
+    out = run_module("harness.run", "engine=horovod", f"method={method}", *BERT,
                      "cluster.workers_per_node=2", f"results_dir={results_dir}", *TINY,
                      timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     row = results.load(results_dir).iloc[0]
     assert row.status == "ok" and row.throughput > 0
     assert (row.engine, row.horovod_version) == ("horovod", horovod.VERSION)
-    assert (row.horovod_fusion_threshold_bytes, row.horovod_cycle_time_s) == (64 << 20, 0.005)
+    assert (row.horovod_fusion_threshold_bytes, row.horovod_cycle_time_s,
+            row.horovod_cache_capacity) == settings
     plan = json.loads(row.plan_json)
     assert plan["transport"] == "horovod" and plan["horovod_version"] == horovod.VERSION
-    assert plan["cycle_s"] == 0.0 and plan["fusion_bytes"] is None  # Horovod's job, not its
-    assert json.loads(row.comm_env_json)["HOROVOD_CYCLE_TIME"] == "5"
+    if method == "bytescheduler_a2a":
+        assert plan["cycle_s"] == 0.0 and plan["fusion_bytes"] is None  # Horovod's job
+    env = json.loads(row.comm_env_json)
+    assert (env["HOROVOD_CYCLE_TIME"], env["HOROVOD_CACHE_CAPACITY"]) == (cycle_ms,
+                                                                          str(settings[2]))
 
 
 @pytest.mark.horovod

@@ -21,9 +21,9 @@ from tests.conftest import REPO, run_module
 ALPHA, BETA = 1e-3, 1e-8  # s, s/byte: 100 MB/s links
 
 
-def net(*, allreduce: str = "ring", cycle_s: float = 0.0) -> network.Network:
+def net(*, allreduce: str = "ring", name: str = "test") -> network.Network:
     link = Cost(ALPHA, BETA)
-    return network.Network("test", link, link, allreduce, False, cycle_s)
+    return network.Network(name, link, link, allreduce, False)
 
 
 def compute(sizes: list[int], backward_s: list[float], *, forward_s: float = 0.1,
@@ -50,14 +50,17 @@ def test_bsp_one_tensor_is_compute_plus_one_allreduce() -> None:
 
 def test_a_negotiation_cycle_delays_each_all_reduce_to_its_next_tick() -> None:
     c = compute([1_000_000], [0.2])
+    # the study ran bsp_a2a (as wfbp_a2a and mgwfbp) with HOROVOD_CYCLE_TIME=0: no tick
     two = cfg("bsp_a2a", "cluster.workers_per_node=2")
+    assert two.method.horovod.cycle_time_s == 0
     plain = model.predict(two, c, net()).iteration_s
     # 0.31 s of compute and a 42 ms all-reduce; with 20 ms ticks backward ends at 0.672 s,
     # 1.032 s, ...: each all-reduce waits 8 ms for the next tick, iterations take 0.36 s
     assert plain == pytest.approx(0.352)
-    assert model.predict(two, c, net(cycle_s=0.02)).iteration_s == pytest.approx(0.36)
+    ticking = cfg("bsp_a2a", "cluster.workers_per_node=2", "method.horovod.cycle_time_s=0.02")
+    assert model.predict(ticking, c, net()).iteration_s == pytest.approx(0.36)
     # torch DDP has no such cycle
-    ddp = model.predict(cfg("ddp", "cluster.workers_per_node=2"), c, net(cycle_s=0.02))
+    ddp = model.predict(cfg("ddp", "cluster.workers_per_node=2"), c, net())
     assert ddp.iteration_s == pytest.approx(c.total_s + 2 * ALPHA + BETA * 4_000_000)
 
 
@@ -114,6 +117,10 @@ def test_bytescheduler_overlaps_the_next_forward() -> None:
     wfbp = model.predict(cfg("wfbp_a2a", "cluster.nodes=2"), c, net())
     assert prio.plan["units"] == 4
     assert prio.iteration_s < wfbp.iteration_s - 0.2
+    # the study's clock drains each step: the output side no longer overlaps the forward
+    drained = model.predict(cfg("bytescheduler_a2a", "cluster.nodes=2", *credit,
+                                "run.sync_each_step=true"), c, net())
+    assert drained.iteration_s > prio.iteration_s + 0.2
     # the same scheduler on PS with its credit in bytes (priority_ps): one credit, not two
     ps = model.predict(cfg("priority_ps", "cluster.nodes=2"), c, net())
     assert ps.plan["units"] == 12 + 1 and ps.iteration_s > 0  # 4,096,000-byte slices
@@ -129,6 +136,27 @@ class _Line:
         self.calls.append((unit, nbytes, t))
         self.free = max(t, self.free) + 1.0
         return self.free
+
+
+@pytest.mark.parametrize(("network_name", "gpus", "alpha", "beta"), [
+    ("ib100_rdma", 16, 7.075e-4, 4.059e-10), ("eth10_tcp", 16, 9.081e-4, 7.396e-10),
+    ("eth100_tcp", 8, 5.230e-4, 8.571e-10)])
+def test_mgwfbp_cost_study_reads_the_studys_table(network_name, gpus, alpha, beta) -> None:
+    c = compute([8192] * 6, [0.01] * 6)
+    shape = (f"cluster.nodes={gpus // 4}", "cluster.workers_per_node=4", "run.force=true")
+    study = cfg("mgwfbp", *shape, "method.planner.cost=study")
+    pred = model.predict(study, c, net(name=network_name))
+    assert pred.plan["cost"] == "study"
+    assert (pred.plan["alpha_s"], pred.plan["beta_s_per_byte"]) == (alpha, beta)
+    fitted = model.predict(cfg("mgwfbp", *shape), c, net(name=network_name))
+    assert fitted.plan["cost"] == "fitted" and fitted.plan["alpha_s"] != alpha
+
+
+def test_mgwfbp_cost_study_without_the_worker_count_is_refused() -> None:
+    with pytest.raises(config.ConfigError, match="2, 4, 8, 16, 32, 64 workers, not 3"):
+        cfg("mgwfbp", "cluster.workers_per_node=3", "method.planner.cost=study")
+    with pytest.raises(config.ConfigError, match="method.planner.cost='guess' is unknown"):
+        cfg("mgwfbp", "method.planner.cost=guess")
 
 
 def test_bytescheduler_issues_while_credit_is_left_and_fuses_one_cycle() -> None:

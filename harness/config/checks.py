@@ -46,8 +46,7 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
               dict: "a mapping", list: "a list"}
 # Keys of network profiles: the emulated link's rate, and the facts of a real network.
 NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node": dict,
-                "allreduce": str, "ps_host_copy": bool,
-                "cycle_s": float}
+                "allreduce": str, "ps_host_copy": bool}
 ALLREDUCE = ("ring", "tree", "hierarchical", "best")
 METHOD_DIR = CONF_DIR / "method"
 
@@ -141,9 +140,13 @@ def _check_horovod_settings(settings: Config) -> None:
     if settings.fusion_threshold_bytes < 0:
         raise ConfigError(f"method.horovod.fusion_threshold_bytes={settings.fusion_threshold_bytes}"
                           " is invalid; it must be >= 0 (0: no fusion)")
-    if settings.cycle_time_s <= 0:
+    if settings.cycle_time_s < 0:
         raise ConfigError(f"method.horovod.cycle_time_s={settings.cycle_time_s} is invalid; it "
-                          "must be > 0 (Horovod's default of the study's time: 0.005)")
+                          "must be >= 0 (0: no wait, as the study ran bsp_a2a, wfbp_a2a and "
+                          "mgwfbp; Horovod's default of the study's time: 0.005)")
+    if settings.cache_capacity < 0:
+        raise ConfigError(f"method.horovod.cache_capacity={settings.cache_capacity} is invalid; "
+                          "it must be >= 0 (0: the response cache off; Horovod's default: 1024)")
 
 
 def check_fit(cfg: Config, *, local: bool) -> None:

@@ -52,4 +52,5 @@ def columns(cfg: DictConfig) -> dict[str, Any]:
     settings = cfg.method.horovod
     return {"engine": cfg.engine, "horovod_version": version() if on else None,
             "horovod_fusion_threshold_bytes": settings.fusion_threshold_bytes if on else None,
-            "horovod_cycle_time_s": settings.cycle_time_s if on else None}
+            "horovod_cycle_time_s": settings.cycle_time_s if on else None,
+            "horovod_cache_capacity": settings.cache_capacity if on else None}

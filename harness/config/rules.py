@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from harness.config import checks
 from harness.config.frozen import Config, select, thaw
+from harness.config.ranks import num_workers
 from harness.config.schema import OPTIMIZERS, ConfigError, first_line
 
 
@@ -49,6 +50,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     _once(checked, _check_model, cfg.model)
     _once(checked, _check_method, cfg.method)
     _check_servers(cfg.method, cfg.cluster)
+    _check_study_cost(cfg)
     checks.check_cluster(cfg)
     checks.check_engine(cfg)
     _once(checked, checks.check_network, cfg.network)
@@ -122,6 +124,18 @@ def _check_servers(method: Config, cluster: Config) -> None:
     elif cluster.servers == 0:
         raise ConfigError(f"method {method.name!r} uses parameter servers but cluster.servers=0; "
                           "set cluster.servers >= 1, or null for one per node")
+
+
+def _check_study_cost(cfg: Config) -> None:
+    """MG-WFBP's cost=study has the study's table for this many workers."""
+    if cfg.method.planner.get("cost") != "study":
+        return
+    from methods.costmodel import study_cost
+
+    try:
+        study_cost(cfg.network.name, num_workers(cfg))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_profile(planner: Config, run: Config) -> None:

@@ -49,12 +49,14 @@ class ModelConf:
 
 @dataclass
 class HorovodConf:
-    """Horovod's settings for a method on engine=horovod (HOROVOD_FUSION_THRESHOLD and
-    HOROVOD_CYCLE_TIME at hvd.init). The defaults are Horovod's at the study's time (64 MiB,
-    5 ms); each all-reduce method's YAML sets the study's own values."""
+    """Horovod's settings for a method on engine=horovod (HOROVOD_FUSION_THRESHOLD,
+    HOROVOD_CYCLE_TIME and HOROVOD_CACHE_CAPACITY at hvd.init). The defaults are Horovod's at
+    the study's time (64 MiB, 5 ms, 1024 cached responses); each all-reduce method's YAML
+    sets the study's own values."""
 
     fusion_threshold_bytes: int = 64 * 1024 * 1024  # 0: no fusion, each tensor alone
-    cycle_time_s: float = 0.005  # how often Horovod's thread negotiates and starts work
+    cycle_time_s: float = 0.005  # how often Horovod's thread negotiates; 0: without a wait
+    cache_capacity: int = 1024  # Horovod's response cache; 0: off
 
 
 @dataclass
@@ -120,6 +122,7 @@ class RunConf:
     tf32_matmul: bool = False    # torch's defaults: matmul in full fp32,
     tf32_cudnn: bool = True      # cuDNN convolutions in TF32,
     cudnn_benchmark: bool = False  # no cuDNN autotuning
+    sync_each_step: bool = False  # true: the study's clock, a drain at each step's end
     fault: FaultConf = field(default_factory=FaultConf)
 
 

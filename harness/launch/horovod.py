@@ -69,6 +69,7 @@ def environment(slot: Slot, *, addr: str, port: int, settings: DictConfig, timeo
         "HOROVOD_CROSS_SIZE": str(slot.cross_size),
         "HOROVOD_FUSION_THRESHOLD": str(settings.fusion_threshold_bytes),
         "HOROVOD_CYCLE_TIME": f"{settings.cycle_time_s * 1000:g}",  # Horovod takes ms
+        "HOROVOD_CACHE_CAPACITY": str(settings.cache_capacity),
         "HOROVOD_GLOO_TIMEOUT_SECONDS": str(max(1, math.ceil(timeout_s))),
     }
     if iface:

@@ -29,6 +29,7 @@ from harness.launch.rank import Context
 from harness.measure import results
 from harness.measure.results import identity
 from harness.measure.timing import PHASES, Clock, timed_window
+from methods.base import device_sync
 
 
 def make_optimizer(model: nn.Module, conf: DictConfig) -> torch.optim.Optimizer:
@@ -61,14 +62,21 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
                                              cfg.engine),
                            group=ctx.worker_group, device=ctx.device, timeout_s=cfg.run.timeout_s,
                            workers_per_node=cfg.cluster.workers_per_node,
-                           node_groups=ctx.node_groups)
+                           node_groups=ctx.node_groups, network=cfg.network.name)
     wrapped = method.wrap(model)
     return wrapped, method, make_optimizer(model, cfg.model.optimizer)
 
 
 def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.optim.Optimizer,
-                    batch: models.Batch, clock: Clock) -> None:
-    """One training iteration, marking `clock` after forward, backward and synchronize."""
+                    batch: models.Batch, clock: Clock, *, sync_on: torch.device | None = None
+                    ) -> None:
+    """One training iteration, marking `clock` after forward, backward and synchronize.
+
+    `sync_on` (run.sync_each_step): the study's clock. Its benchmark_step ended in
+    torch.cuda.synchronize(), which waited for the communication still in flight, so a
+    method whose communication and updates overlap the next forward (ByteScheduler) lost
+    that overlap in the study's numbers: here the step ends with the method drained (every
+    piece and update done) and the device synchronized, on CPUs too."""
     loss = model(batch)
     clock.mark()
     loss.backward()
@@ -77,6 +85,9 @@ def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.o
     clock.mark()
     method.step(optimizer)
     method.zero_grad()
+    if sync_on is not None:
+        method.drain()
+        device_sync(sync_on)
 
 
 def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
@@ -137,7 +148,8 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         ctx.beat(f"iteration {done - first}")
         inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
         done += 1
-        train_iteration(model, method, optimizer, batch, clock)
+        train_iteration(model, method, optimizer, batch, clock,
+                        sync_on=ctx.device if cfg.run.sync_each_step else None)
 
     for _ in range(cfg.run.warmup_iters):
         step(Clock(ctx.device))

@@ -34,7 +34,7 @@ IDENTITY = [
     "servers", "repeat", "local_batch_size", "source",
 ]
 MODEL_INFO = ["model_params", "model_tensors", "model_intensity"]
-PARAMETERS = ["warmup_iters", "timed_iters", "seed"]
+PARAMETERS = ["warmup_iters", "timed_iters", "seed", "sync_each_step"]
 METRICS = [
     "throughput", "timed_s", "iter_times_s", "rank_iter_times_s",
     "forward_s", "backward_s", "comm_s", "update_s", "peak_memory_bytes",
@@ -49,7 +49,8 @@ PROVENANCE = [
 # What ran the collectives: engine=native (torch.distributed) or horovod, with Horovod's
 # version and settings (null on native). Shards written before these columns load with
 # engine "native".
-ENGINE = ["engine", "horovod_version", "horovod_fusion_threshold_bytes", "horovod_cycle_time_s"]
+ENGINE = ["engine", "horovod_version", "horovod_fusion_threshold_bytes", "horovod_cycle_time_s",
+          "horovod_cache_capacity"]
 COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE + ENGINE
 
 SCHEMA = pa.schema([
@@ -60,6 +61,7 @@ SCHEMA = pa.schema([
     ("model_params", pa.int64()), ("model_tensors", pa.int64()),
     ("model_intensity", pa.float64()),
     ("warmup_iters", pa.int64()), ("timed_iters", pa.int64()), ("seed", pa.int64()),
+    ("sync_each_step", pa.bool_()),
     ("throughput", pa.float64()), ("timed_s", pa.float64()),
     ("iter_times_s", pa.list_(pa.float64())),
     ("rank_iter_times_s", pa.list_(pa.list_(pa.float64()))),
@@ -76,6 +78,7 @@ SCHEMA = pa.schema([
     ("comm_env_json", pa.string()),
     ("engine", pa.string()), ("horovod_version", pa.string()),
     ("horovod_fusion_threshold_bytes", pa.int64()), ("horovod_cycle_time_s", pa.float64()),
+    ("horovod_cache_capacity", pa.int64()),
 ])
 assert SCHEMA.names == COLUMNS
 
@@ -98,7 +101,8 @@ def identity(cfg: Config, *, run_id: str, repeat: int, stack: dict | None = None
         "servers": num_servers(cfg), "repeat": repeat,
         "local_batch_size": cfg.model.local_batch_size, "source": "measured",
         "warmup_iters": cfg.run.warmup_iters, "timed_iters": cfg.run.timed_iters,
-        "seed": cfg.run.seed, "git_commit": git_commit(),
+        "seed": cfg.run.seed, "sync_each_step": cfg.run.sync_each_step,
+        "git_commit": git_commit(),
         **(software() if stack is None else stack),
         "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
@@ -239,9 +243,11 @@ def load_report(
 
 
 def _frame(table: pa.Table) -> pd.DataFrame:
-    """The rows as a DataFrame; rows from before the engine column ran natively."""
+    """The rows as a DataFrame; rows from before the engine and sync_each_step columns ran
+    natively, on ddlbench's clock."""
     frame = table.to_pandas()
     frame["engine"] = frame["engine"].fillna("native")
+    frame["sync_each_step"] = frame["sync_each_step"].astype("boolean").fillna(False).astype(bool)
     return frame
 
 

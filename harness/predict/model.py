@@ -22,6 +22,7 @@ from harness.predict.network import (
     fitted_cost,
 )
 from harness.predict.plans import Tensors, plan_of, tensors
+from methods.costmodel import study_cost
 from methods.plan import Unit, credit_in_elements, fuse_pieces
 
 # -- one configuration -------------------------------------------------------------------
@@ -52,6 +53,8 @@ def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
         return allreduce_s(net, nbytes, nodes=nodes, per_node=per_node)
 
     cost = fitted_cost(net, nodes=nodes, per_node=per_node)
+    if method.planner.get("cost") == "study":  # MG-WFBP's merges on the study's own table
+        cost = study_cost(net.name, workers)
     model = tensors(cfg.model)
     if model.sizes != compute.sizes:  # a hand-made compute (tests): tensors named by index
         model = Tensors([str(i) for i in range(len(compute.sizes))], compute.sizes,
@@ -68,14 +71,15 @@ def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
         comm = Collectives(lambda u, _: sum(collective(u, p.numel * ELEMENT_SIZE)
                                             for p in planned.parts[u]))
     else:
-        # the study's all-reduce methods ran on Horovod; torch DDP has no negotiation cycle,
-        # and a method with its own cycle (ByteScheduler's pieces) rounds to that one
+        # the study's all-reduce methods ran on Horovod, each with its own cycle (0 for all
+        # but ByteScheduler's, whose pieces round to the scheduler's); DDP has none
         horovod = method.transport.name != "ddp" and not cycle_s
-        comm = Collectives(collective, net.cycle_s if horovod else 0.0)
+        comm = Collectives(collective, float(method.horovod.cycle_time_s) if horovod else 0.0)
     credit = _credit(sched) if kind == "priority" else 0
     fusion = (sched.get("fusion_bytes") or 0) // ELEMENT_SIZE if kind == "priority" else 0
     ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
-                    fusion=fusion, iterations=cfg.simulate.iterations)
+                    fusion=fusion, iterations=cfg.simulate.iterations,
+                    drain=cfg.run.sync_each_step)
     steady = ends[1:] if len(ends) > 2 else ends
     iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
     exposed = max(0.0, iteration - compute.total_s)
@@ -94,8 +98,10 @@ def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
 
 
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
-             cycle_s: float, fusion: int, iterations: int) -> list[float]:
-    """The end of each iteration (its last update), simulated one after another."""
+             cycle_s: float, fusion: int, iterations: int, drain: bool = False) -> list[float]:
+    """The end of each iteration (its last update), simulated one after another. `drain`
+    (run.sync_each_step, the study's clock): each step ends once its communication and
+    updates are done, so none of them overlaps the next forward."""
     backward_ready = list(itertools.accumulate(compute.backward_s))
     nbytes = [u.numel * ELEMENT_SIZE for u in units]
     layers = max(compute.layer_of) + 1
@@ -133,7 +139,7 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
             for layer in sorted(range(layers), key=updated.__getitem__):
                 free = (free if free > updated[layer] else updated[layer]) + layer_share[layer]
                 layer_done[layer] = free
-            t = end_of_backward
+            t = max(layer_done) if drain else end_of_backward
             ends.append(max(layer_done))
         else:
             done = comm.issue_all(nbytes, unit_ready)

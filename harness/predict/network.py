@@ -1,8 +1,8 @@
 """The network of a prediction: intra- and inter-node links (alpha + beta * bytes) from a
 real profile's facts or this machine's microbenchmark, the all-reduce algorithms
-(ring, tree, hierarchical; on the study's networks each starting on Horovod's
-negotiation cycle), and the queued resources iterations use: the collective streams and
-the parameter servers, each behind its own link."""
+(ring, tree, hierarchical; on Horovod each may start on its negotiation cycle), and the
+queued resources iterations use: the collective streams and the parameter servers, each
+behind its own link."""
 
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ class Network:
     inter: Cost           # between nodes, and to every parameter server
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
-    cycle_s: float = 0.0   # all-reduces start on a framework cycle (Horovod's negotiation)
 
 
 def network(cfg: Config) -> Network:
@@ -41,8 +40,7 @@ def network(cfg: Config) -> Network:
         ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
         beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
         return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
-                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
-                       float(net.get("cycle_s", 0.0)))
+                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)))
     link = _microbench_link(cfg)
     return Network(net.name, link, link, "ring", False)
 
