@@ -89,7 +89,8 @@ ROWS = [
      ["method.planner.bucket_cap_mb='abc'", "a number"]),
     ("harness.run", ["model.build.image_size=abc"], ["model.build.image_size='abc'", "integer"]),
     ("harness.run", ["cluster.workers_per_node=abc"], ["cluster.workers_per_node", "'abc'"]),
-    ("harness.simulate", [*STUDY, "network.cycle_s=abc"], ["network.cycle_s='abc'", "number"]),
+    ("harness.simulate", [*STUDY, "network.ps_host_copy=abc"],
+     ["network.ps_host_copy='abc'", "true or false"]),
     ("harness.simulate", [*STUDY, "simulate.gpus.rtx2080ti.resnet50=abc"],
      ["simulate.gpus.rtx2080ti.resnet50='abc'", "samples/s"]),
     # misspelled keys and choices
