@@ -143,13 +143,14 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         model_of(model).make_batch(cfg.model.local_batch_size,
                                    batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
 
+    sync_on = ctx.device if cfg.run.sync_each_step else None
+
     def step(clock: Clock) -> None:
         nonlocal done
         ctx.beat(f"iteration {done - first}")
         inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
         done += 1
-        train_iteration(model, method, optimizer, batch, clock,
-                        sync_on=ctx.device if cfg.run.sync_each_step else None)
+        train_iteration(model, method, optimizer, batch, clock, sync_on=sync_on)
 
     for _ in range(cfg.run.warmup_iters):
         step(Clock(ctx.device))
