@@ -4,6 +4,8 @@
     python -m harness.methodbench --rounds 1 --models bert_tiny --timed-iters 10
     python -m harness.methodbench --engines native     # without the Horovod twins
     python -m harness.methodbench --simulate           # the simulator's wall time instead
+    python -m harness.methodbench --nodes 2 --workers 2 --methods bsp_ps,wfbp_ps \
+        --node-reduce scatter,root                     # PS with servers, both node paths
 
 Runs every method of conf/method/ on each model at each worker count through
 the normal `harness.run` path (one parquet shard per run), each all-reduce method
@@ -20,6 +22,10 @@ prints:
 - at the largest worker count: the better of wfbp_a2a and mgwfbp over ddp, each PS
   method over bsp_ps, bytescheduler_a2a over wfbp_a2a, and each all-reduce method
   natively over its Horovod twin (native/horovod);
+- with `--nodes` above 1 (emulated nodes on this machine, so parameter servers exist)
+  and `--node-reduce scatter,root`: each PS method also on the node path through the
+  root (its `@root` twin, method.transport.node_reduce=root), each twin over bsp_ps@root,
+  and each PS method over its twin (BytePS's scatter path over the root path);
 - at 1 worker: every all-reduce method over the plain loop (the harness's overhead).
 
 Each ratio is taken within a round (runs minutes apart, so the slow drift of a
@@ -59,14 +65,18 @@ from harness.measure import results
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
+ROOT = "@root"  # a PS method on the node path through the root (node_reduce=root)
+TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"]}
+NODE_REDUCES = ("scatter", "root")
 # what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
 # scheduling over per-tensor all-reduce
 REFERENCE = REPO.parent / "shared" / "reference" / "shi2020_fig4_ib100.csv"
 # the simulator's sweeps timed by --simulate, with their targets in seconds (issue 25)
 SIMULATIONS = {"paper": (["experiment=paper", "network=ib100_rdma"], 2.0),
                "whatif": (["experiment=whatif"], 30.0)}
-PAIRS = (("wfbp_ps", "bsp_ps"), ("bytescheduler_ps", "bsp_ps"), ("priority_ps", "bsp_ps"),
-         ("bytescheduler_a2a", "wfbp_a2a"))
+PS = ("bsp_ps", "wfbp_ps", "bytescheduler_ps", "priority_ps")
+PAIRS = (*((m, "bsp_ps") for m in PS[1:]), ("bytescheduler_a2a", "wfbp_a2a"),
+         *((m + ROOT, "bsp_ps" + ROOT) for m in PS[1:]), *((m, m + ROOT) for m in PS))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,7 +88,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(prog="python -m harness.methodbench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet50_small,bert_tiny")
     parser.add_argument("--methods", default=",".join(config.choices("method")))
-    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--workers", default="1,2", help="worker counts (per node)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="emulated nodes of every method run (servers exist from 2 on)")
+    parser.add_argument("--node-reduce", default="scatter",
+                        help="the PS node paths measured with --nodes above 1: scatter "
+                             "(BytePS's, the default) and/or root (each PS method's @root twin)")
     parser.add_argument("--engines", default="native,horovod",
                         help="native runs every method; horovod adds each all-reduce method's "
                              "Horovod twin at every worker count above 1")
@@ -114,18 +129,21 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
     model_names = _names("--models", args.models, config.choices("model"))
     method_names = _names("--methods", args.methods, config.choices("method"))
     engines = _names("--engines", args.engines, list(ENGINES))
+    node_reduces = _names("--node-reduce", args.node_reduce, list(NODE_REDUCES))
     counts = args.workers.split(",")
     if not all(c.isdigit() and int(c) > 0 for c in counts):
         raise config.ConfigError(f"--workers {args.workers} is invalid; give worker counts > 0, "
                                  "e.g. --workers 1,2")
     for flag, value, low in (("--rounds", args.rounds, 1), ("--warmup-iters", args.warmup_iters, 0),
-                             ("--timed-iters", args.timed_iters, 1)):
+                             ("--timed-iters", args.timed_iters, 1), ("--nodes", args.nodes, 1)):
         if value < low:
             raise config.ConfigError(f"{flag} {value} is invalid; it must be >= {low}")
     checks.output_dir("--results-dir", args.results_dir)
-    runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts])
+    runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts],
+                    roots="root" in node_reduces and args.nodes > 1)
     try:
         config.load_all([[f"model={m}", *_method_overrides(x), f"cluster.workers_per_node={w}",
+                          f"cluster.nodes={args.nodes}",
                           *_run_overrides(args, Path(args.results_dir))]
                          for m in model_names for w, names in runs.items() for x in names])
     except config.ConfigError as exc:
@@ -135,20 +153,23 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
     return model_names, runs
 
 
-def run_list(method_names: list[str], *, engines: list[str], counts: list[int]
-             ) -> dict[int, list[str]]:
-    """The names run at each worker count: every method natively, and the Horovod twin of
-    each all-reduce method above 1 worker (where an all-reduce has something to move)."""
+def run_list(method_names: list[str], *, engines: list[str], counts: list[int],
+             roots: bool = False) -> dict[int, list[str]]:
+    """The names run at each worker count: every method natively, the Horovod twin of
+    each all-reduce method above 1 worker (where an all-reduce has something to move),
+    and with `roots` the root-path twin of each PS method."""
     allreduce = checks.allreduce_methods()  # reads conf/method/: once
     twins = [m + TWIN for m in method_names if m in allreduce]
+    ps = checks.allreduce_methods("ps") if roots else []
+    roots_of = [m + ROOT for m in method_names if m in ps]
     return {n: [m for m in method_names if "native" in engines]
-            + (twins if "horovod" in engines and n > 1 else []) for n in counts}
+            + (twins if "horovod" in engines and n > 1 else []) + roots_of for n in counts}
 
 
 def _method_overrides(name: str) -> list[str]:
-    """The overrides of a run-list name: the method, and engine=horovod for a twin."""
-    method, twin, _ = name.partition(TWIN)
-    return [f"method={method}", *(["engine=horovod"] if twin else [])]
+    """The overrides of a run-list name: the method, and its twin's."""
+    method, at, twin = name.partition("@")
+    return [f"method={method}", *(TWINS[at + twin] if at else [])]
 
 
 def _run_overrides(args: argparse.Namespace, out: Path) -> list[str]:
@@ -169,13 +190,24 @@ def run_method(model_name: str, name: str, workers: int, *, out: Path,
                args: argparse.Namespace) -> int:
     """One harness.run of one configuration (a run-list name), one repeat; its exit code."""
     return harness_run.main([f"model={model_name}", *_method_overrides(name),
-                             f"cluster.workers_per_node={workers}", *_run_overrides(args, out)])
+                             f"cluster.workers_per_node={workers}", f"cluster.nodes={args.nodes}",
+                             *_run_overrides(args, out)])
+
+
+def _run_names(frame: pd.DataFrame) -> pd.Series:
+    """Each row's run-list name: its method, with ROOT for a PS run on the root path."""
+    if "config_json" not in frame:
+        return frame.method
+    root = frame.config_json.map(
+        lambda text: json.loads(text)["method"]["transport"].get("node_reduce") == "root"
+        if isinstance(text, str) else False)
+    return frame.method.where(~root, frame.method + ROOT)
 
 
 def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
     """The targets' ratios per model within one round's runs (rows as `results.load` gives
     them: every row names its engine)."""
-    ok = frame[frame.status == "ok"]
+    ok = frame[frame.status == "ok"].assign(method=_run_names)
     tput = ok.groupby(["model", "method", "engine", "world_size"]).throughput.max().to_dict()
     top = max(workers)
     out = {}
@@ -206,8 +238,8 @@ def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[
     round's ratio pairs runs made minutes apart, so the drift of a shared machine cancels);
     return {model: {ratio: {"median", "min", "max", "rounds"}}}."""
     frame = pd.concat(rounds)
-    ok = frame[frame.status == "ok"].groupby(["model", "world_size", "method", "engine"]
-                                             ).throughput
+    ok = frame[frame.status == "ok"].assign(method=_run_names).groupby(
+        ["model", "world_size", "method", "engine"]).throughput
     print(ok.agg(["median", "min", "max", "count"]).round(2).to_string())
     per_round = [ratios(f, workers=workers) for f in rounds]
     table: dict[str, dict[str, dict]] = {}
@@ -293,7 +325,7 @@ def main(argv: list[str]) -> int:
                         return code
                     failed += code != 0
     table = report([results.load(out / f"round{r + 1}") for r in range(args.rounds)],
-                   workers=list(runs))
+                   workers=[w * args.nodes for w in runs])
     (out / "ratios.json").write_text(json.dumps(table, indent=2))
     print(f"{failed} failed runs; shards and ratios.json in {out}/")
     return 1 if failed else 0

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from methods.layout import ASSIGNMENTS
+from methods.layout import ASSIGNMENTS, NODE_REDUCES
 from methods.params import DDP, PLANNERS, SCHEDULERS, TRANSPORTS, Piece, wrong_type
 
 if TYPE_CHECKING:
@@ -110,10 +110,11 @@ def _check_sizes(method: Mapping[str, Any]) -> None:
                          "method.planner.partition_elements or method.planner.partition_bytes")
     _elements(method, "scheduler", "credit")
     _positive(method, "scheduler", "fusion_bytes")
-    rule = method["transport"].get("assignment")
-    if rule is not None and rule not in ASSIGNMENTS:
-        raise ValueError(f"method {method['name']!r}: method.transport.assignment={rule!r} is "
-                         f"unknown; choose one of: {', '.join(ASSIGNMENTS)}")
+    for key, known in (("assignment", ASSIGNMENTS), ("node_reduce", NODE_REDUCES)):
+        value = method["transport"].get(key)
+        if value is not None and value not in known:
+            raise ValueError(f"method {method['name']!r}: method.transport.{key}={value!r} is "
+                             f"unknown; choose one of: {', '.join(known)}")
     cost = method["planner"].get("cost")
     if cost is not None and cost not in ("fitted", "study"):
         raise ValueError(f"method {method['name']!r}: method.planner.cost={cost!r} is unknown; "

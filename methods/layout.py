@@ -24,6 +24,12 @@ from methods.plan import Unit
 
 PARTITION_BYTES = 4_096_000  # BytePS's partition size in the study
 ASSIGNMENTS = ("hash", "balanced")
+NODE_REDUCES = ("scatter", "root")  # node-local aggregation (methods/ps.py)
+STAGES = {  # one partition's way on a node of several workers, per node_reduce
+    "scatter": "reduce-scatter in node (leftover to root) -> slice to shared host -> "
+               "push/pull by root -> slice back -> all-gather (leftover broadcast)",
+    "root": "reduce to root -> host copy -> push/pull by root -> device copy -> "
+            "broadcast from root (per unit)"}
 PIECE_BITS = 16
 UINT64 = (1 << 64) - 1
 
@@ -115,10 +121,14 @@ def imbalance(load: list[int]) -> float:
     return max(load) / mean if mean else 1.0
 
 
-def plan_summary(parts: list[list[Part]], servers: int, element_size: int) -> dict[str, Any]:
-    """Partitions, and with servers the bytes each receives from a node and busiest / mean."""
+def plan_summary(parts: list[list[Part]], servers: int, element_size: int, *,
+                 per_node: int = 1, node_reduce: str = "scatter") -> dict[str, Any]:
+    """Partitions, and with servers the bytes each receives from a node and busiest / mean,
+    and with nodes of `per_node` > 1 aggregating workers the `stages` of a partition."""
     out: dict[str, Any] = {"partitions": sum(len(ps) for ps in parts)}
     if servers:
         load = server_bytes(parts, servers, element_size)
         out |= {"server_bytes": load, "busiest_over_mean": round(imbalance(load), 4)}
+        if per_node > 1:
+            out["stages"] = STAGES[node_reduce]
     return out

@@ -57,6 +57,7 @@ class PSArgs:
     local_reduce: bool = True
     assignment: str = "hash"
     server_schedule: bool = False
+    node_reduce: str = "scatter"
 
 
 # -- planners ------------------------------------------------------------------------------

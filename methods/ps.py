@@ -4,20 +4,28 @@ Ranks [0, W) of the default group are workers, [W, W + S) servers
 (harness/launch.py). Each communication unit is cut into partitions of at
 most `partition_bytes` (BytePS: 4,096,000) with BytePS's keys, each owned by one
 server by `assignment` (methods/layout.py). Gradients enter the buffer divided by W,
-so the sum over workers is the average. Three switches, defaults as in the study:
+so the sum over workers is the average. Four switches, defaults as in the study:
 
-- `local_reduce` (BytePS): the workers of a node first reduce each unit to the node's
-  first worker (the root), which alone pushes and pulls, then broadcasts the result
-  inside the node: servers see one push per node per partition. One node then needs
-  no server at all: the partitions are all-reduced over the node (BytePS on one
-  machine). Off: every worker pushes its own gradients.
+- `local_reduce` (BytePS): the workers of a node aggregate each partition first, and
+  the node's first worker (the root) alone pushes and pulls it: servers see one push
+  per node per partition. One node then needs no server at all: the partitions are
+  all-reduced over the node (BytePS on one machine). Off: every worker pushes its own
+  gradients.
+- `node_reduce`, how a node of several workers aggregates: `scatter` (BytePS's
+  default, methods/ps_scatter.py): per partition, a reduce-scatter in the node, each
+  worker's slice into the node's shared host buffer (methods/ps_shared.py), the root's
+  push and pull from and into it, each slice back, an all-gather, pipelined so that a
+  partition's reduce-scatter overlaps the previous one on the wire; or `root`
+  (BytePS's BYTEPS_REDUCE_ROOTS): the unit reduced to the root, which copies it to
+  the host, pushes, pulls and broadcasts it (methods/ps_node.py).
 - `assignment`: `hash` (BytePS's djb2 of the key) or `balanced` (by bytes).
 - `server_schedule` (BYTEPS_SERVER_ENABLE_SCHEDULE): each server sums first the
   key with the fewest pushes counted since it last completed (BytePS's queue,
   methods/server.py); workers stay FIFO.
 
-The messages and their tags are methods/ps_wire.py; the node's reduce and broadcast,
-the host staging and the threads that post and land each unit are methods/ps_node.py.
+The messages and their tags are methods/ps_wire.py; the host staging and the threads
+that post and land each unit are methods/ps_node.py, their steps on the scatter path
+methods/ps_scatter.py, the node's collectives in one order methods/ps_order.py.
 `start` only records where the unit's gradients are and hands it to those threads.
 """
 
@@ -29,9 +37,18 @@ import torch
 import torch.distributed as dist
 
 from methods.base import GradBuffer, until_completed
-from methods.layout import ASSIGNMENTS, PARTITION_BYTES, Part, partitions, plan_summary
+from methods.layout import (
+    ASSIGNMENTS,
+    NODE_REDUCES,
+    PARTITION_BYTES,
+    Part,
+    partitions,
+    plan_summary,
+)
 from methods.plan import Unit
 from methods.ps_node import HostStaging, Node, _Exchange, _Pipeline
+from methods.ps_scatter import ScatterPipeline
+from methods.ps_shared import share
 from methods.ps_wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
 
 
@@ -79,6 +96,7 @@ class PSTransport:
     def __init__(self, *, group: dist.ProcessGroup | None = None,
                  partition_bytes: int = PARTITION_BYTES, local_reduce: bool = True,
                  assignment: str = "hash", server_schedule: bool = False,
+                 node_reduce: str = "scatter",
                  workers_per_node: int = 1, node_groups: tuple | None = None,
                  timeout_s: float | None = None) -> None:
         if partition_bytes <= 0:
@@ -87,6 +105,9 @@ class PSTransport:
         if assignment not in ASSIGNMENTS:
             raise ValueError(f"transport assignment={assignment!r} is unknown; choose one of: "
                              f"{', '.join(ASSIGNMENTS)}")
+        if node_reduce not in NODE_REDUCES:
+            raise ValueError(f"transport node_reduce={node_reduce!r} is unknown; choose one "
+                             f"of: {', '.join(NODE_REDUCES)}")
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -103,6 +124,8 @@ class PSTransport:
         self.scale = 1.0 / self.size  # every contribution pre-divided: the sum is the average
         self.partition_bytes, self.assignment = partition_bytes, assignment
         self.local_reduce, self.server_schedule = local_reduce, server_schedule
+        self.node_reduce = node_reduce
+        self.scatter = node_reduce == "scatter" and self.node.size > 1 and not self.serverless
         self.timeout_s = 300.0 if timeout_s is None else timeout_s
         self.parts: list[list[Part]] = []
         self.described: dict[str, Any] = {}
@@ -120,12 +143,15 @@ class PSTransport:
                            rule=self.assignment)
         self.parts = [[Part(p.key, p.start, p.end, self.servers[p.server] if self.servers
                             else -1) for p in ps] for ps in parts]
-        self.described = plan_summary(parts, len(self.servers), flat.element_size())
+        self.described = plan_summary(parts, len(self.servers), flat.element_size(),
+                                      per_node=self.node.size, node_reduce=self.node_reduce)
         self.flat = flat
         if self.serverless:
             return
-        self.staging = self.staging if self.staging and self.staging.flat is flat \
-            else HostStaging(flat)
+        if not (self.staging and self.staging.flat is flat):  # the node's, on the scatter path
+            host = share(flat.numel(), flat.dtype, node=self.node, timeout_s=self.timeout_s) \
+                if self.scatter else None
+            self.staging = HostStaging(flat, host=host)
         dtype = DTYPES.index(flat.dtype)
         for server in self.servers:
             layout = torch.tensor([[p.key, p.numel] for ps in self.parts for p in ps
@@ -133,7 +159,7 @@ class PSTransport:
             opening = [layout.numel() // 2, self.node.size, int(self.server_schedule)]
             _tell_servers(header(OPEN, opening, dtype), [server])
             _tell_servers(layout, [server], tag=LAYOUT_TAG)
-        self.pipeline = _Pipeline(self.servers, self.node)
+        self.pipeline = (ScatterPipeline if self.scatter else _Pipeline)(self.servers, self.node)
 
     def start(self, chunk: torch.Tensor, *, key: int) -> _Exchange | _AllReduced:
         """Unit `key` on its way (module docstring); returns at once."""
@@ -160,6 +186,7 @@ class PSTransport:
     def describe(self) -> dict[str, Any]:
         return {"transport": "ps", "workers": self.size, "nodes": self.nodes,
                 "servers": len(self.servers), "partition_bytes": self.partition_bytes,
-                "local_reduce": self.local_reduce, "assignment": self.assignment,
+                "local_reduce": self.local_reduce, "node_reduce": self.node_reduce,
+                "assignment": self.assignment,
                 "server_schedule": self.server_schedule, **self.described}
 

@@ -1,8 +1,9 @@
 """Node-local aggregation and host staging, the worker's way to the servers (BytePS).
 
-A node's first worker (the root) pushes and pulls for all (`Node`): the unit is reduced
-to the root before and broadcast inside the node after. A node of one worker does
-neither.
+A node's first worker (the root) pushes and pulls for all (`Node`). On the root path
+(`node_reduce: root`) the unit is reduced to the root before and broadcast inside the node
+after; the scatter path (the default, methods/ps_scatter.py) runs BytePS's stages per
+partition on these same threads with steps of its own. A node of one worker does neither.
 
 Every collective of a node goes in one order on all its workers (methods/ps_order.py).
 
@@ -47,18 +48,22 @@ from methods.ps_wire import (
 
 class HostStaging:
     """Where pushes are read from and pulls land: the buffer itself on CPU, pinned memory on
-    GPU. On GPU each direction has a copy stream of its own, as BytePS has: the way out
+    GPU, or given as `host`, the node's shared buffer (the scatter path, CPU and GPU). On
+    GPU each direction has a copy stream of its own, as BytePS has: the way out
     (`side()`: after the node's reduce, the copy to the host) and the way back
     (`side(back=True)`: the copies to the device, then the node's broadcast). With one
     stream a root's next reduce, waited on there, would hold back the way back of the
     unit before. (The collectives themselves are queued by the node thread, on a stream
     of its own: `NodeOrder`.) Events are None on CPU."""
 
-    def __init__(self, flat: torch.Tensor) -> None:
+    def __init__(self, flat: torch.Tensor, *, host: torch.Tensor | None = None) -> None:
         self.flat = flat
         self.on_device = flat.device.type != "cpu"
-        self.host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True) \
-            if self.on_device else flat
+        if host is None:  # the root path's own mirror (CPU: none needed)
+            host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True) \
+                if self.on_device else flat
+        self.host = host  # or the node's shared buffer (methods/ps_shared.py)
+        self.mirrored = host is not flat
         self.out, self.back = (torch.cuda.Stream(flat.device), torch.cuda.Stream(flat.device)) \
             if self.on_device else (None, None)
 
@@ -75,6 +80,8 @@ class HostStaging:
         """Queue the copy of [start, end) to the host on the way out, after what is queued
         there; returns the event of its end."""
         if not self.on_device:
+            if self.mirrored:
+                self.host[start:end].copy_(self.flat[start:end])
             return None
         with self.side():
             self.host[start:end].copy_(self.flat[start:end], non_blocking=True)
@@ -85,6 +92,8 @@ class HostStaging:
         if self.on_device:
             with self.side(back=True):
                 self.flat[start:end].copy_(self.host[start:end], non_blocking=True)
+        elif self.mirrored:
+            self.flat[start:end].copy_(self.host[start:end])
 
     def mark(self, *, back: bool = True) -> torch.cuda.Event | None:
         """The event of the end of everything queued so far on the way back (or out)."""
@@ -214,6 +223,7 @@ class _Stage:
         self.lock = threading.Lock()
 
     def put(self, job: _Exchange) -> None:
+        """Queue `job` (an `_Exchange`, or anything with its `staging` and `fail`)."""
         with self.lock:
             if self.thread is None:
                 self.thread = start_thread(self._run, name=self.name,
@@ -247,12 +257,15 @@ class _Pipeline:
     lander, which waits for its messages in order and has it broadcast; with more than one
     worker on the node, the node thread issues those collectives in the node's one order."""
 
-    def __init__(self, servers: list[int], node: Node) -> None:
+    def __init__(self, servers: list[int], node: Node, *, post: Callable | None = None,
+                 land: Callable | None = None) -> None:
+        """`post` and `land` replace the root path's steps (methods/ps_scatter.py)."""
         self.order = NodeOrder(node) if node.size > 1 else None
-        self.lander = _Stage(functools.partial(_land, node=node, order=self.order),
+        self.lander = _Stage(functools.partial(land or _land, node=node, order=self.order),
                              name="ps-lander")
-        self.poster = _Stage(functools.partial(_post_and_hand, node=node, order=self.order,
-                                               servers=servers, lander=self.lander),
+        self.poster = _Stage(functools.partial(post or _post_and_hand, node=node,
+                                               order=self.order, servers=servers,
+                                               lander=self.lander),
                              name="ps-poster")
 
     def put(self, job: _Exchange) -> None:

@@ -1,19 +1,23 @@
 """A node for local aggregation (BytePS) and the one order of its collectives.
 
-One order for the node's collectives. Each worker's poster reduces units and its lander
-broadcasts them, on two groups (one NCCL communicator each on GPUs), and the root's
-broadcast of a unit waits for its pulls, while the other workers could broadcast at
-once: left to timing, the reduces and broadcasts would be queued in different orders on
-different workers, and where the communicators' kernels cannot run side by side
-(CUDA_DEVICE_MAX_CONNECTIONS=1, MPS, a busy device) each worker's next kernel waits for
-one its peers queued behind another: a deadlock. So on every worker one thread, the
-node thread (`NodeOrder`), issues all of the node's collectives, and they go in the
-order the root's poster and lander ask for them: the root's node thread announces each
-(reduce or broadcast, methods/order.py) before issuing it, and the others' issue
-exactly that sequence, each once their own poster or lander asks for it. Every
-collective of a node, on any of its groups, follows this one order; whatever replaces
-the reduce and broadcast (a reduce-scatter and all-gather per partition) must go
-through it too.
+One order for the node's collectives. Each worker's poster reduces (or reduce-scatters)
+partitions and its lander broadcasts (or all-gathers) them, on two groups (one NCCL
+communicator each on GPUs), and the root's broadcast of a unit waits for its pulls,
+while the other workers could broadcast at once: left to timing, the reduces and
+broadcasts would be queued in different orders on different workers, and where the
+communicators' kernels cannot run side by side (CUDA_DEVICE_MAX_CONNECTIONS=1, MPS, a
+busy device) each worker's next kernel waits for one its peers queued behind another: a
+deadlock. So on every worker one thread, the node thread (`NodeOrder`), issues all of
+the node's collectives, and they go in the order the root's poster and lander ask for
+them: the root's node thread announces each one's kind (methods/order.py) before issuing
+it, and the others' issue exactly that sequence, each once their own poster or lander
+asks for it. Every collective of a node, on any of its groups, follows this one order:
+the kinds are the root path's REDUCE and BROADCAST and the scatter path's REDUCE_SCATTER
+and ALL_GATHER (methods/ps_scatter.py; its leftover takes REDUCE and BROADCAST). A
+poster asks only for REDUCE and REDUCE_SCATTER, a lander only for BROADCAST and
+ALL_GATHER, each in partition order, and the units go in the same order on every worker
+(the transport is `ordered`): so the next ask of an announced kind is the collective the
+root meant.
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ from methods.base import side_stream, start_thread, wait_for
 from methods.order import OrderFollower, OrderLeader
 from methods.ps_wire import naming
 
-REDUCE, BROADCAST = 0, 1  # the node's collectives, as the root announces them
+# the node's collectives, as the root announces them
+REDUCE, BROADCAST, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2, 3
+KINDS = 4
 
 
 class Node:
     """This worker's node for local aggregation (BytePS): its first worker (the root) pushes
-    and pulls for all; the unit is reduced to the root before and broadcast after, each on
-    a group of its own, both issued in one order (`NodeOrder`). A node of one worker does
-    neither."""
+    and pulls for all. Before, the node reduces (to the root) or reduce-scatters (each
+    worker `index` gets its slice) on one group; after, it broadcasts (from the root) or
+    all-gathers on another; all issued in one order (`NodeOrder`). A node of one worker
+    does none of it."""
 
     def __init__(self, rank: int, size: int, groups: tuple | None) -> None:
         if size > 1 and not groups:
@@ -43,16 +50,32 @@ class Node:
                              "(harness.launch.rank makes them; pass node_groups)")
         self.size, self.root = size, rank - rank % size
         self.is_root = rank == self.root
+        self.index = rank - self.root  # rank in the node's groups; slice owned (scatter)
+        self.ranks = list(range(self.root, self.root + size))  # global ranks (workers first)
         self.reduce_group, self.broadcast_group = groups if size > 1 else (None, None)
         self.name = f"the workers of the node of rank {self.root}"
 
     def collective(self, kind: int, chunk: torch.Tensor) -> dist.Work:
-        """Start the node's reduce of `chunk` to the root, or the root's broadcast of it."""
+        """Start the node's collective of `kind` on `chunk`: the reduce of it to the root,
+        the root's broadcast of it, or in place the reduce-scatter of it (this worker's
+        slice: `own(chunk)`) and the all-gather of each one's slice. Gloo has both last two
+        in torch 2.14 (reduce_scatter_single, all_gather_single)."""
         with naming(self.name):
             if kind == REDUCE:
                 return dist.reduce(chunk, dst=self.root, group=self.reduce_group, async_op=True)
-            return dist.broadcast(chunk, src=self.root, group=self.broadcast_group,
-                                  async_op=True)
+            if kind == BROADCAST:
+                return dist.broadcast(chunk, src=self.root, group=self.broadcast_group,
+                                      async_op=True)
+            if kind == REDUCE_SCATTER:
+                return dist.reduce_scatter_single(self.own(chunk), chunk,
+                                                  group=self.reduce_group, async_op=True)
+            return dist.all_gather_single(chunk, self.own(chunk), group=self.broadcast_group,
+                                          async_op=True)
+
+    def own(self, chunk: torch.Tensor) -> torch.Tensor:
+        """This worker's slice of `chunk` (its numel a multiple of the node's size)."""
+        n = chunk.numel() // self.size
+        return chunk[self.index * n : (self.index + 1) * n]
 
 
 class _Ask:
@@ -80,7 +103,7 @@ class NodeOrder:
         self.node = node
         self.order = (OrderLeader if node.is_root else OrderFollower)(node.reduce_group)
         self.asks: queue.SimpleQueue = queue.SimpleQueue()  # in the order asked
-        self.waiting: tuple[list[_Ask], list[_Ask]] = ([], [])  # others: asked, by kind
+        self.waiting: list[list[_Ask]] = [[] for _ in range(KINDS)]  # others: asked, by kind
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -121,7 +144,7 @@ class NodeOrder:
                         break
                     if ask is not None:
                         ask.fail(exc)
-                for ask in self.waiting[REDUCE] + self.waiting[BROADCAST]:
+                for ask in (a for asks in self.waiting for a in asks):
                     ask.fail(exc)
 
     def _next(self) -> _Ask | None:

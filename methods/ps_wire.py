@@ -10,6 +10,11 @@ Messages are matched by (peer, tag), never by arrival order:
   (the worker is done). Every worker sends OPEN, CLOSE and STOP; only roots push.
 - data, tag KEY_TAG + key: the root's partition; the server answers on the same tag
   with the sum over the nodes.
+- inside a node (scatter path, methods/ps_scatter.py), tag KEY_TAG + key between a worker
+  and its root: "my slice of the partition is in the shared buffer" (worker -> root) and
+  "the pulled sum is there" (root -> worker), one int64 each; tag SHM_TAG: the name of the
+  node's shared buffer (root -> worker) and "mapped" (worker -> root),
+  methods/ps_shared.py.
 
 A header is HEADER int64 words: [op, count, dtype, values...], `dtype` an index into
 DTYPES. OPEN's values are [keys, node size, server_schedule]; PUSH's are the keys
@@ -23,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-CTRL_TAG, LAYOUT_TAG, KEY_TAG = 1, 2, 16
+CTRL_TAG, LAYOUT_TAG, SHM_TAG, KEY_TAG = 1, 2, 3, 16
 OPEN, PUSH, CLOSE, STOP = 1, 2, 3, 4
 HEADER = 64  # int64 words: [op, count, dtype, values...]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

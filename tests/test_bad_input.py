@@ -132,6 +132,9 @@ ROWS = [
     ("harness.methodbench", ["--timed-iters", "0"], ["--timed-iters 0", ">= 1"]),
     ("harness.methodbench", ["--warmup-iters", "abc"], ["--warmup-iters", "invalid int"]),
     ("harness.methodbench", ["--nope"], ["unrecognized arguments: --nope"]),
+    ("harness.methodbench", ["--nodes", "0"], ["--nodes 0 is invalid", ">= 1"]),
+    ("harness.methodbench", ["--node-reduce", "ring"], ["--node-reduce 'ring' is unknown",
+                                                        "scatter, root"]),
     ("harness.methodbench", ["--results-dir", "{tmp}/file.txt"], ["--results-dir", "is a file"]),
     ("harness.methodbench", ["--workers", "1000"], ["1000 local processes", "--force"]),
 ]

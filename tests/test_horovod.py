@@ -46,6 +46,9 @@ def test_methodbench_adds_horovod_twins_above_one_worker() -> None:
     assert runs == {1: ["bsp_a2a", "bsp_ps", "ddp"],
                     2: ["bsp_a2a", "bsp_ps", "ddp", "bsp_a2a@horovod"]}
     assert run_list(["bsp_a2a"], engines=["native"], counts=[2]) == {2: ["bsp_a2a"]}
+    # with emulated nodes, each PS method's twin on the node path through the root
+    assert run_list(["bsp_ps", "ddp", "wfbp_ps"], engines=["native"], counts=[2],
+                    roots=True) == {2: ["bsp_ps", "ddp", "wfbp_ps", "bsp_ps@root", "wfbp_ps@root"]}
 
 
 def _one_line_error(out, tmp_path: Path) -> str:

@@ -162,6 +162,8 @@ def test_balanced_server_partitions_are_balanced_and_deterministic() -> None:
     (["method=bytescheduler_a2a", "method.scheduler.fusion_bytes=0"], ["fusion_bytes=0", "> 0"]),
     (["method=wfbp_ps", "method.transport.assignment=random"],
      ["assignment='random' is unknown", "hash, balanced"]),
+    (["method=bsp_ps", "method.transport.node_reduce=ring"],
+     ["node_reduce='ring' is unknown", "scatter, root"]),
     (["method=wfbp_ps", "cluster.servers=2"],
      ["runs without parameter servers", "method.transport.local_reduce=false"]),
     (["method=mgwfbp", "+method.planner.bucket=3"],
@@ -211,8 +213,10 @@ def _method_overrides(name: str, flavor: str) -> list[str]:
 def _variants(nodes: int) -> list[tuple[str, list[str]]]:
     """wfbp_ps under every combination of the PS switches its defaults and
     bytescheduler_ps do not already run (on one node with node-local aggregation the
-    others have no server to act on: that is one combination)."""
-    out = []
+    others have no server to act on: that is one combination), and with servers the
+    node's aggregation through the root instead of BytePS's scatter path."""
+    out = [] if nodes == 1 else [("wfbp_ps[node_reduce=root]",
+                                  ["method.transport.node_reduce=root"])]
     for local, rule, sched in SWITCHES:
         if local and (nodes == 1 or rule == "hash"):
             continue

@@ -165,3 +165,13 @@ def test_methodbench_ratios_pair_each_optimization_with_its_plain_twin() -> None
     got = ratios(frame, workers=[1, 2])["m"]
     assert got == pytest.approx({"wfbp_ps/bsp_ps@2w": 1.2, "bytescheduler_ps/bsp_ps@2w": 1.1,
                                  "bytescheduler_a2a/wfbp_a2a@2w": 0.75, "wfbp_a2a/plain@1w": 0.9})
+    # a PS run on the node path through the root (its config says so) is the method's twin
+    rows = [("bsp_ps", "scatter", 10.0), ("bsp_ps", "root", 8.0), ("wfbp_ps", "scatter", 12.0),
+            ("wfbp_ps", "root", 10.0)]
+    frame = pd.DataFrame([{"model": "m", "method": m, "engine": "native", "world_size": 4,
+                           "throughput": t, "status": "ok", "config_json": json.dumps(
+                               {"method": {"transport": {"node_reduce": way}}})}
+                          for m, way, t in rows])
+    assert ratios(frame, workers=[4])["m"] == pytest.approx({
+        "wfbp_ps/bsp_ps@4w": 1.2, "wfbp_ps@root/bsp_ps@root@4w": 1.25,
+        "bsp_ps/bsp_ps@root@4w": 1.25, "wfbp_ps/wfbp_ps@root@4w": 1.2})

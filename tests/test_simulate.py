@@ -97,6 +97,33 @@ def test_ps_traffic_per_server_divides_by_servers() -> None:
     assert busy[2] == pytest.approx(busy[1] / 2, rel=0.05)
 
 
+def test_ps_through_the_root_crosses_the_bus_whole_and_scatter_pipelines_it() -> None:
+    # 2 nodes of 3 workers, one 40 MB unit of 10 partitions over 2 servers, GPUs that
+    # copy to the host
+    gpu = network.Network("test", Cost(ALPHA, BETA), Cost(ALPHA, BETA), "ring", True)
+    unit = [[(4_000_000, i % 2) for i in range(10)]]
+    ps = {way: network.ParameterServers(gpu, unit, 2, 3, 2, True, way)
+          for way in ("scatter", "root")}
+    done = {way: p.issue(0, 40_000_000, 0.0) for way, p in ps.items()}
+    # bus bytes per byte and way: scatter 2 (2 + 1) / 3 = 2, the root 2 (2 / 3 + 1) = 10 / 3
+    bus = ps["scatter"].busy["bus_up"]
+    assert bus == pytest.approx(2 * 40_000_000 * BETA + 10 * ALPHA)
+    assert ps["root"].busy["bus_up"] == pytest.approx(10 / 3 * 40_000_000 * BETA + ALPHA)
+    # the root crosses the bus whole before the first push and after the last pull, the
+    # wire alone between; the scatter path overlaps the bus with the wire, partition by
+    # partition, so it saves more than one whole crossing
+    free_bus = network.Network("test", Cost(0.0, 0.0), Cost(ALPHA, BETA), "ring", True)
+    wire = network.ParameterServers(free_bus, unit, 2, 3, 2, True, "root").issue(0, 0, 0.0)
+    crossing = ps["root"].busy["bus_up"]
+    assert done["root"] == pytest.approx(wire + 2 * crossing)
+    assert done["scatter"] < done["root"] - crossing
+    # and the simulator takes the switch from the configuration
+    shape = ("cluster.nodes=2", "cluster.workers_per_node=3", "cluster.servers=2")
+    c = compute([10_000_000], [0.01])
+    assert model.predict(cfg("bsp_ps", *shape, "method.transport.node_reduce=root"), c,
+                         gpu).iteration_s > model.predict(cfg("bsp_ps", *shape), c, gpu).iteration_s
+
+
 def test_mgwfbp_merges_small_tensors_and_beats_wfbp_on_start_up_costs() -> None:
     # 200 small tensors ready almost at once: one all-reduce each pays 200 start-ups
     c = compute([20_000] * 200, [0.0001] * 200)

@@ -99,11 +99,11 @@ def check_cluster(cfg: Config) -> None:
                           f"{MAX_EMULATED_HOSTS} of one subnet; lower cluster.nodes")
 
 
-def allreduce_methods() -> list[str]:
+def allreduce_methods(transport: str = "allreduce") -> list[str]:
     """The methods of conf/method/ whose transport is the all-reduce (those engine=horovod
-    runs on Horovod)."""
+    runs on Horovod), or `transport`."""
     return sorted(p.stem for p in METHOD_DIR.glob("*.yaml")
-                  if OmegaConf.select(OmegaConf.load(p), "transport.name") == "allreduce")
+                  if OmegaConf.select(OmegaConf.load(p), "transport.name") == transport)
 
 
 def check_engine(cfg: Config) -> None:

@@ -66,7 +66,8 @@ def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
     if method.transport.name == "ps" and planned.servers:
         comm = ParameterServers(net, [[(p.numel * ELEMENT_SIZE, p.server) for p in ps]
                                       for ps in planned.parts], nodes, per_node,
-                                planned.servers, method.transport.get("local_reduce", True))
+                                planned.servers, method.transport.get("local_reduce", True),
+                                method.transport.get("node_reduce", "scatter"))
     elif method.transport.name == "ps":  # one node, no servers: each partition all-reduced
         comm = Collectives(lambda u, _: sum(collective(u, p.numel * ELEMENT_SIZE)
                                             for p in planned.parts[u]))

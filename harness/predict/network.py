@@ -135,17 +135,25 @@ class ParameterServers:
     (BytePS). Both directions stream at once over the one PCIe fabric of the node, whose
     rate the intra-node all-reduce fact gives, so each gets half of it. A link is a
     queue: what it carries starts once the link is free, and keeps it busy.
+
+    With `node_reduce="root"` (methods/ps_node.py) the whole unit is reduced to the root,
+    which alone copies it to the host, before its first push, and copies it back and
+    broadcasts it after its last pull: no partition of a unit overlaps the bus.
     """
 
     def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
-                 per_node: int, servers: int, local_reduce: bool) -> None:
+                 per_node: int, servers: int, local_reduce: bool,
+                 node_reduce: str = "scatter") -> None:
         """`parts`: per unit, (bytes, server index) of each partition; `local_reduce`: a
         node sums its workers' gradients and pushes once (BytePS)."""
         self.net, self.servers = net, servers
         sharing = per_node if local_reduce else 1  # workers that share a partition
-        # bytes per worker over the bus per byte of partition, each way: the
-        # reduce-scatter (or all-gather) and the copy of its slice, at half the rate
-        bus_share = 2 * ((sharing - 1) + net.ps_host_copy) / sharing
+        whole = sharing > 1 and node_reduce == "root"
+        # bytes over the bus per byte of partition, each way, at half the rate: scatter,
+        # each worker's reduce-scatter (or all-gather) and the copy of its slice; root, the
+        # root's reduce (or broadcast) and its copy of the whole partition
+        bus_share = 2 * ((sharing - 1) / sharing + net.ps_host_copy) if whole else \
+            2 * ((sharing - 1) + net.ps_host_copy) / sharing
         senders = nodes if local_reduce else nodes * per_node
         node_share = 1 if local_reduce else per_node
         # links by index: node up, node down, bus up, bus down, then each server's in, out
@@ -160,6 +168,12 @@ class ParameterServers:
                         size * node_share * inter.beta, size * senders * inter.beta,
                         4 + 2 * server, 5 + 2 * server) for size, server in unit]
                       for unit in parts]
+        # root: each unit's one reduce (and broadcast) and copy, before its first push and
+        # after its last pull
+        self.whole = [intra.seconds(sum(size for size, _ in unit) * bus_share) if whole
+                      else 0.0 for unit in parts]
+        if whole:
+            self.steps = [[(0.0, *step[1:]) for step in unit] for unit in self.steps]
 
     @property
     def busy(self) -> dict[str, float]:
@@ -169,6 +183,11 @@ class ParameterServers:
         """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
         (The queues of the class docstring, written out: the simulator's innermost loop.)"""
         done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
+        whole = self.whole[unit]
+        if whole:  # root: the unit reduced and on the host before the first push
+            t = (t if t > free[2] else free[2]) + whole
+            free[2] = done = t
+            busy[2] += whole
         for bus, node, server, s_in, s_out in self.steps[unit]:
             start = t
             if bus:  # bus up
@@ -195,6 +214,10 @@ class ParameterServers:
                 busy[3] += bus
             if pulled > done:
                 done = pulled
+        if whole:  # root: back to the device and broadcast after the last pull
+            done = (done if done > free[3] else free[3]) + whole
+            free[3] = done
+            busy[3] += whole
         return done
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:

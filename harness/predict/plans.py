@@ -155,7 +155,11 @@ def describe(cfg: Config, model: Tensors, plan: Plan) -> dict[str, Any]:
            "transport": thaw(cfg.method.transport), "planner": plan.planner,
            "scheduler": thaw(cfg.method.scheduler), "units": units, "notes": plan.notes}
     if plan.parts:
-        out["ps"] = plan_summary(plan.parts, plan.servers, ELEMENT_SIZE)
+        t = cfg.method.transport
+        out["ps"] = plan_summary(plan.parts, plan.servers, ELEMENT_SIZE,
+                                 per_node=cfg.cluster.workers_per_node
+                                 if t.get("local_reduce", True) else 1,
+                                 node_reduce=t.get("node_reduce", "scatter"))
     return out
 
 
@@ -192,5 +196,7 @@ def render(data: dict[str, Any]) -> str:
                       f"({t.get('assignment', 'hash')} assignment):"]
         lines += [f"  server {s}: {_mb(b)}" for s, b in enumerate(ps["server_bytes"])]
         lines.append(f"busiest/mean = {ps['busiest_over_mean']:.2f}")
+        if ps.get("stages"):
+            lines.append(f"per partition: {ps['stages']}")
     lines += [f"note: {n}" for n in data["notes"]]
     return "\n".join(lines)
