@@ -68,6 +68,11 @@ def record(device: torch.device) -> torch.cuda.Event | None:
     return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
 
 
+def happened(event: torch.cuda.Event | None) -> bool:
+    """Whether the work before `event` has run, asked without blocking (CPU: None, it has)."""
+    return event is None or event.query()
+
+
 def wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
     """Work queued on the current stream from now on runs after `event` (None: nothing)."""
     if event is not None:
@@ -270,3 +275,25 @@ def backward_order(model: nn.Module) -> list[nn.Parameter]:
 def backward_named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of `backward_order`."""
     return [(n, p) for n, p in reversed(list(model.named_parameters())) if p.requires_grad]
+
+
+class Fused:
+    """Pieces that are not next to each other, all-reduced as one (Horovod's fusion
+    buffer): copied into one tensor, started, and copied back on `wait`."""
+
+    __slots__ = ("handle", "fused", "chunks")
+
+    def __init__(self, transport: Transport, chunks: list[torch.Tensor], *, key: int) -> None:
+        self.chunks = chunks
+        self.fused = torch.cat(chunks)
+        self.handle = transport.start(self.fused, key=key)
+
+    def wait(self) -> None:
+        self.handle.wait()
+        for chunk, part in zip(self.chunks, self.fused.split([c.numel() for c in self.chunks])):
+            chunk.copy_(part)
+        if self.fused.is_cuda:  # made on the issuer's stream, read here on another
+            self.fused.record_stream(torch.cuda.current_stream(self.fused.device))
+
+    def complete(self) -> None:
+        self.handle.complete()

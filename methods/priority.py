@@ -5,12 +5,17 @@ index in the model, input side first (its gradient is needed first by the next
 forward). An issuer thread starts the highest-priority partition whenever any
 credit is left (ByteScheduler blocks only while the remaining credit is <= 0, then
 subtracts the piece: up to credit plus one piece is in flight, and no piece is
-ever refused). A completer thread waits for partitions in issue order and, when a
-layer's last partition is back, applies that layer's update (methods/layerwise.py);
-the next forward of the layer waits only for that. A partition's credit comes back
-only once its communication has really finished (`Handle.complete`: on a GPU
-`wait` only orders the stream). `synchronize` and `step` therefore return at
-once; `drain` waits until every update is applied and nothing is in flight.
+ever refused). A partition is ready once its gradient is in the buffer: at once on a
+CPU, where the hook runs after the gradient is computed; on a GPU once the event its
+hook recorded has happened (ByteScheduler polls it), since the host runs ahead of the
+device and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make,
+holding back the ready ones queued behind it. A completer thread waits for partitions
+in issue order; once a partition's communication has really finished (`Handle.complete`:
+on a GPU `wait` only orders the stream) its credit comes back, and then, when it was a
+layer's last partition, that layer's update is applied (methods/layerwise.py), as
+ByteScheduler's callbacks ran; the next forward of the layer waits only for that.
+`synchronize` and `step` therefore return at once; `drain` waits until every update is
+applied and nothing is in flight.
 
 With `cycle_s` the pieces go as ByteScheduler's went through Horovod: the ones
 issued within one cycle start together at its end, consecutive ones fused into one
@@ -44,7 +49,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from methods.base import GradBuffer, Transport, record, side_stream, start_thread, wait_for
+from methods.base import (
+    POLL_MAX_S,
+    Fused,
+    GradBuffer,
+    Transport,
+    happened,
+    record,
+    side_stream,
+    start_thread,
+    wait_for,
+)
 from methods.delay import HookDelay
 from methods.layerwise import LayerUpdates
 from methods.order import OrderFollower, OrderLeader
@@ -108,7 +123,8 @@ class Priority:
         self.order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
         self.order = self.order(transport.group) if self.order else None
         self.cond = threading.Condition()
-        self.heap: list[tuple[tuple[int, int], int]] = []
+        self.heap: list[tuple[tuple[int, int], int]] = []  # ready here, by priority
+        self.unready: list[int] = []  # GPU: hooked, their gradient's event yet to happen
         self.ready = [False] * len(units)  # followers: ready here, not yet issued
         self.inflight = 0
         self.busy = 0  # layers between their first ready gradient and their update
@@ -173,11 +189,23 @@ class Priority:
                 self.busy += 1
                 self.layers.begin(layer)
             for u in self.units_of[i]:
-                if self.role == "follower":
+                if self.role == "follower":  # rank 0 chooses; the stream waits for the event
                     self.ready[u] = True
-                else:
-                    heapq.heappush(self.heap, (self.priority[u], u))
+                else:  # queued by the issuer once its gradient is in the buffer
+                    self.unready.append(u)
             self.cond.notify_all()
+
+    def _promote(self) -> None:
+        """The issuer: queue by priority the hooked partitions whose gradient is in the
+        buffer (CPU: all); the caller holds the lock."""
+        if self.unready:
+            waiting = []
+            for u in self.unready:
+                if happened(self.collected[self.units[u].params[0]]):
+                    heapq.heappush(self.heap, (self.priority[u], u))
+                else:
+                    waiting.append(u)
+            self.unready = waiting
 
     # -- threads ----------------------------------------------------------------------
 
@@ -205,6 +233,7 @@ class Priority:
         while True:
             with self.cond:
                 while not self.stopping:
+                    self._promote()
                     if self.heap and self.inflight < self.credit:
                         _, u = heapq.heappop(self.heap)
                         self.inflight += self.units[u].numel
@@ -214,8 +243,9 @@ class Priority:
                         if len(batch) == 1:  # Horovod's loop runs every cycle from the start
                             tick = origin + math.ceil((time.monotonic() - origin) /
                                                       self.cycle_s) * self.cycle_s
-                    elif not batch:
-                        self.cond.wait()
+                    elif not batch:  # GPU, credit left: poll the hooked ones' events
+                        self.cond.wait(POLL_MAX_S if self.unready and self.inflight < self.credit
+                                       else None)
                     elif (left := tick - time.monotonic()) > 0:
                         self.cond.wait(left)
                     else:
@@ -265,24 +295,25 @@ class Priority:
         self.done.put((group, handle))
 
     def _complete(self) -> None:
-        """Wait for partitions in issue order; update each layer when its last one is back;
-        return a partition's credit once its communication has really finished."""
+        """Wait for partitions in issue order; once one's communication has really finished,
+        return its credit, then update each layer whose last partition it was."""
         while (item := self.done.get()) is not None:
             group, handle = item
             handle.wait()  # the updates below, queued after this, read the average
+            handle.complete()
             finished = []
             with self.cond:
+                self.inflight -= sum(self.units[u].numel for u in group)
                 for u in group:
                     layer = self.layer_of_unit[u]
                     self.remaining[layer] -= 1
                     if self.remaining[layer] == 0:
                         self.layer_iter[layer] = -1
                         finished.append(layer)
+                self.cond.notify_all()
             for layer in finished:
                 self.layers.apply(layer)
-            handle.complete()
             with self.cond:
-                self.inflight -= sum(self.units[u].numel for u in group)
                 self.busy -= len(finished)
                 self.cond.notify_all()
 
@@ -347,25 +378,3 @@ class Priority:
         return {"scheduler": "priority", "credit_elements": self.credit, "order": self.role,
                 "cycle_s": self.cycle_s, "fusion_bytes": self.fusion_bytes,
                 "units": [[u.start, u.end] for u in self.units]}
-
-
-class Fused:
-    """Pieces that are not next to each other, all-reduced as one (Horovod's fusion
-    buffer): copied into one tensor, started, and copied back on `wait`."""
-
-    __slots__ = ("handle", "fused", "chunks")
-
-    def __init__(self, transport: Transport, chunks: list[torch.Tensor], *, key: int) -> None:
-        self.chunks = chunks
-        self.fused = torch.cat(chunks)
-        self.handle = transport.start(self.fused, key=key)
-
-    def wait(self) -> None:
-        self.handle.wait()
-        for chunk, part in zip(self.chunks, self.fused.split([c.numel() for c in self.chunks])):
-            chunk.copy_(part)
-        if self.fused.is_cuda:  # made on the issuer's stream, read here on another
-            self.fused.record_stream(torch.cuda.current_stream(self.fused.device))
-
-    def complete(self) -> None:
-        self.handle.complete()

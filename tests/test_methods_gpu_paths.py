@@ -344,7 +344,7 @@ def test_a_method_thread_sets_the_ranks_device_before_entering_its_stream(monkey
 def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
     """`module`'s threads, streams and events, recorded: each stream a token, each event
     the token of where it was recorded; the threads still run (on the CPU)."""
-    seen: dict = {"threads": [], "waits": [], "events": 0}
+    seen: dict = {"threads": [], "waits": [], "events": 0, "happened": lambda event: True}
 
     def start(target, *, name, device, stream=None):
         seen["threads"].append((name, device, stream))
@@ -359,6 +359,8 @@ def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
             seen["waits"].append((threading.current_thread().name, event))
 
     monkeypatch.setattr(module, "start_thread", start)
+    if hasattr(module, "happened"):
+        monkeypatch.setattr(module, "happened", lambda event: seen["happened"](event))
     if hasattr(module, "side_stream"):
         monkeypatch.setattr(module, "side_stream", lambda device: object())
     for mod in (module, layerwise):
@@ -381,6 +383,71 @@ def test_priority_threads_run_on_streams_of_their_own_ordered_by_events(monkeypa
     issued = [e for name, e in seen["waits"] if name == "issuer"]
     assert len(issued) == 3 and all(e[2] != "issuer" for e in issued)
     assert not [e for name, e in seen["waits"] if name == "completer"]
+
+
+def test_a_piece_goes_only_once_its_gradients_event_has_happened(monkeypatch) -> None:
+    # a GPU's host runs ahead: the hooks have run, the gradients' events have not happened
+    released: set = set()
+    with _cuda_faked(monkeypatch, priority) as seen:
+        seen["happened"] = lambda event: event in released
+        model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
+        buffer = GradBuffer(backward_order(model))
+        transport = _GatedTransport()
+        sched = Priority(credit_elements=1000, timeout_s=10)
+        sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes),
+                     transport=transport)
+        sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            sched.synchronize()
+            assert _settle(transport, 0) == []  # hooked, none in the buffer yet
+            # the output side's two gradients are made; the input side's (unit 2, the
+            # highest priority) is not: the two go, best first, and it waits
+            released.update(sched.collected[:2])
+            assert _settle(transport, 2) == [1, 0]
+            released.add(sched.collected[2])
+            assert _settle(transport, 3) == [1, 0, 2]
+            _finish_all(transport)
+            sched.drain()
+        finally:
+            _finish_all(transport)
+            sched.close()
+
+
+def test_a_pieces_credit_comes_back_before_its_layers_update() -> None:
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))  # 16 each
+    buffer = GradBuffer(backward_order(model))
+    transport = _GatedTransport()
+    sched = Priority(credit_elements=16, timeout_s=10)  # one piece in flight at a time
+    sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes), transport=transport)
+    sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    update, applied = threading.Event(), []
+    apply = sched.layers.apply
+
+    def gated(layer: int) -> None:
+        assert update.wait(10)
+        applied.append(layer)
+        apply(layer)
+
+    sched.layers.apply = gated
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        sched.synchronize()
+        first = _settle(transport, 1)
+        assert len(first) == 1
+        transport.handles[first[0]].finished.set()
+        # its communication done, its layer's update held back: the credit is back already
+        assert len(_settle(transport, 2)) == 2 and applied == []
+        update.set()
+        _finish_all(transport)
+        assert len(_settle(transport, 3)) == 3
+        _finish_all(transport)
+        sched.drain()
+        assert len(applied) == 3
+    finally:
+        update.set()
+        _finish_all(transport)
+        sched.close()
 
 
 def test_the_next_forward_waits_for_its_layers_update_event(monkeypatch) -> None:
