@@ -96,17 +96,24 @@ def test_priority_credit_comes_back_only_when_communication_really_finished() ->
         sched.close()
 
 
-@contextlib.contextmanager
-def _three_layers(**scheduler) -> Iterator[_GatedTransport]:
-    """Three 4x4 weights (16 elements each) under the priority scheduler, backward done;
-    on leaving, every communication finishes, the scheduler drains (if all went well)
-    and closes."""
+def _scheduler(**scheduler) -> tuple[nn.Module, Priority, _GatedTransport]:
+    """Three 4x4 weights (16 elements each) under the priority scheduler, attached to a
+    gated transport, with an optimizer bound."""
     model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
     buffer = GradBuffer(backward_order(model))
     transport = _GatedTransport()
     sched = Priority(timeout_s=10, **scheduler)
     sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes), transport=transport)
     sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    return model, sched, transport
+
+
+@contextlib.contextmanager
+def _three_layers(**scheduler) -> Iterator[_GatedTransport]:
+    """Three 4x4 weights (16 elements each) under the priority scheduler, backward done;
+    on leaving, every communication finishes, the scheduler drains (if all went well)
+    and closes."""
+    model, sched, transport = _scheduler(**scheduler)
     try:
         model(torch.ones(2, 4)).sum().backward()
         sched.synchronize()
@@ -390,13 +397,7 @@ def test_a_piece_goes_only_once_its_gradients_event_has_happened(monkeypatch) ->
     released: set = set()
     with _cuda_faked(monkeypatch, priority) as seen:
         seen["happened"] = lambda event: event in released
-        model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
-        buffer = GradBuffer(backward_order(model))
-        transport = _GatedTransport()
-        sched = Priority(credit_elements=1000, timeout_s=10)
-        sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes),
-                     transport=transport)
-        sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        model, sched, transport = _scheduler(credit_elements=1000)
         try:
             model(torch.ones(2, 4)).sum().backward()
             sched.synchronize()
@@ -415,12 +416,7 @@ def test_a_piece_goes_only_once_its_gradients_event_has_happened(monkeypatch) ->
 
 
 def test_a_pieces_credit_comes_back_before_its_layers_update() -> None:
-    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))  # 16 each
-    buffer = GradBuffer(backward_order(model))
-    transport = _GatedTransport()
-    sched = Priority(credit_elements=16, timeout_s=10)  # one piece in flight at a time
-    sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes), transport=transport)
-    sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, sched, transport = _scheduler(credit_elements=16)  # one piece in flight at a time
     update, applied = threading.Event(), []
     apply = sched.layers.apply
 
@@ -452,13 +448,7 @@ def test_a_pieces_credit_comes_back_before_its_layers_update() -> None:
 
 def test_the_next_forward_waits_for_its_layers_update_event(monkeypatch) -> None:
     with _cuda_faked(monkeypatch, priority) as seen:
-        model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(3)))
-        buffer = GradBuffer(backward_order(model))
-        transport = _GatedTransport()
-        sched = Priority(credit_elements=1000, timeout_s=10)
-        sched.attach(model, buffer=buffer, units=PerTensor().plan(buffer.sizes),
-                     transport=transport)
-        sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        model, sched, transport = _scheduler(credit_elements=1000)
         try:
             model(torch.ones(2, 4)).sum().backward()
             sched.synchronize()
