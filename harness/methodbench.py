@@ -62,12 +62,12 @@ from harness.config import checks
 from harness.config.schema import ENGINES, REPO
 from harness.launch.launcher import launch
 from harness.measure import results
+from methods.layout import NODE_REDUCES
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
 ROOT = "@root"  # a PS method on the node path through the root (node_reduce=root)
 TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"]}
-NODE_REDUCES = ("scatter", "root")
 # what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
 # scheduling over per-tensor all-reduce
 REFERENCE = REPO.parent / "shared" / "reference" / "shi2020_fig4_ib100.csv"
@@ -158,9 +158,9 @@ def run_list(method_names: list[str], *, engines: list[str], counts: list[int],
     """The names run at each worker count: every method natively, the Horovod twin of
     each all-reduce method above 1 worker (where an all-reduce has something to move),
     and with `roots` the root-path twin of each PS method."""
-    allreduce = checks.allreduce_methods()  # reads conf/method/: once
+    allreduce = checks.methods_on("allreduce")  # reads conf/method/: once
     twins = [m + TWIN for m in method_names if m in allreduce]
-    ps = checks.allreduce_methods("ps") if roots else []
+    ps = checks.methods_on("ps") if roots else []
     roots_of = [m + ROOT for m in method_names if m in ps]
     return {n: [m for m in method_names if "native" in engines]
             + (twins if "horovod" in engines and n > 1 else []) + roots_of for n in counts}

@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from methods.costmodel import COSTS
 from methods.layout import ASSIGNMENTS, NODE_REDUCES
 from methods.params import DDP, PLANNERS, SCHEDULERS, TRANSPORTS, Piece, wrong_type
 
@@ -116,7 +117,7 @@ def _check_sizes(method: Mapping[str, Any]) -> None:
             raise ValueError(f"method {method['name']!r}: method.transport.{key}={value!r} is "
                              f"unknown; choose one of: {', '.join(known)}")
     cost = method["planner"].get("cost")
-    if cost is not None and cost not in ("fitted", "study"):
+    if cost is not None and cost not in COSTS:
         raise ValueError(f"method {method['name']!r}: method.planner.cost={cost!r} is unknown; "
                          "choose fitted (measured on the run) or study (the study's table)")
     cycle = method["scheduler"].get("cycle_s")

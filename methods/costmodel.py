@@ -39,6 +39,7 @@ def least_squares(nbytes: list[float], seconds: list[float]) -> Cost:
 # MG-WFBP's alpha (s) and beta (s/byte) as the study ran it: hard-coded per worker count and
 # network family (ddl-benchmarks mgwfbp/hv_distributed_optimizer.py; rdma=1 is IB, rdma=0
 # the TCP of both Ethernet networks), not fitted at run time.
+COSTS = ("fitted", "study")  # MG-WFBP's cost: fitted on the run, or the study's table
 STUDY_COSTS = {
     "ib": {2: (2.555e-6, 9.838e-11), 4: (4.204e-5, 2.059e-10), 8: (9.754e-5, 3.057e-10),
            16: (7.075e-4, 4.059e-10), 32: (4.063e-4, 4.907e-10), 64: (8.063e-4, 5.888e-10)},

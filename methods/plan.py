@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from methods.costmodel import Cost
+from methods.costmodel import COSTS, Cost
 
 SMALL_TENSOR_ELEMENTS = 8192  # MG-WFBP always merges groups smaller than this
 
@@ -198,7 +198,7 @@ class MergedGroups:
                  ) -> None:
         if profile_iters < 1:
             raise ValueError(f"planner profile_iters={profile_iters} is invalid; it must be >= 1")
-        if cost not in ("fitted", "study"):
+        if cost not in COSTS:
             raise ValueError(f"planner cost={cost!r} is invalid; choose fitted (measured on "
                              "the run) or study (the study's alpha and beta table)")
         self.cost_from, self.network = cost, network

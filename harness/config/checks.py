@@ -99,9 +99,9 @@ def check_cluster(cfg: Config) -> None:
                           f"{MAX_EMULATED_HOSTS} of one subnet; lower cluster.nodes")
 
 
-def allreduce_methods(transport: str = "allreduce") -> list[str]:
-    """The methods of conf/method/ whose transport is the all-reduce (those engine=horovod
-    runs on Horovod), or `transport`."""
+def methods_on(transport: str) -> list[str]:
+    """The methods of conf/method/ whose transport is `transport` (e.g. allreduce: those
+    engine=horovod runs on Horovod; ps)."""
     return sorted(p.stem for p in METHOD_DIR.glob("*.yaml")
                   if OmegaConf.select(OmegaConf.load(p), "transport.name") == transport)
 
@@ -125,7 +125,7 @@ def check_engine(cfg: Config) -> None:
         what = "is torch DDP" if transport == "ddp" else f"uses transport {transport!r}"
         raise ConfigError(f"engine=horovod runs all-reduce methods only, and method "
                           f"{cfg.method.name!r} {what}; use engine=native with it, or one of: "
-                          f"{', '.join(allreduce_methods())}")
+                          f"{', '.join(methods_on('allreduce'))}")
     _check_horovod_settings(cfg.method.horovod)
     try:
         methods.check(methods.on_engine(thaw(cfg.method), cfg.engine))

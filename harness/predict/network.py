@@ -163,8 +163,8 @@ class ParameterServers:
         self.busy_s = [0.0] * len(self.names)
         inter, intra = net.inter, net.intra
         # per unit, per partition: (bus seconds, node link seconds, server link seconds,
-        # the server's links)
-        self.steps = [[(intra.seconds(size * bus_share) if bus_share else 0.0,
+        # the server's links); on the root path the bus is the whole unit's, below
+        self.steps = [[(intra.seconds(size * bus_share) if bus_share and not whole else 0.0,
                         size * node_share * inter.beta, size * senders * inter.beta,
                         4 + 2 * server, 5 + 2 * server) for size, server in unit]
                       for unit in parts]
@@ -172,8 +172,6 @@ class ParameterServers:
         # after its last pull
         self.whole = [intra.seconds(sum(size for size, _ in unit) * bus_share) if whole
                       else 0.0 for unit in parts]
-        if whole:
-            self.steps = [[(0.0, *step[1:]) for step in unit] for unit in self.steps]
 
     @property
     def busy(self) -> dict[str, float]:
