@@ -67,7 +67,9 @@ from methods.layout import NODE_REDUCES
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
 TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
 ROOT = "@root"  # a PS method on the node path through the root (node_reduce=root)
-TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"]}
+UNMETERED = "@unmetered"  # a method without its host meter (run.method_host=false)
+TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"],
+         UNMETERED: ["run.method_host=false"]}
 # what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
 # scheduling over per-tensor all-reduce
 REFERENCE = REPO.parent / "shared" / "reference" / "shi2020_fig4_ib100.csv"
@@ -94,6 +96,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--node-reduce", default="scatter",
                         help="the PS node paths measured with --nodes above 1: scatter "
                              "(BytePS's, the default) and/or root (each PS method's @root twin)")
+    parser.add_argument("--unmetered", action="store_true",
+                        help="also run each method natively without its host meter "
+                             "(<method>@unmetered): what timing method_host_s costs")
     parser.add_argument("--engines", default="native,horovod",
                         help="native runs every method; horovod adds each all-reduce method's "
                              "Horovod twin at every worker count above 1")
@@ -140,7 +145,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
             raise config.ConfigError(f"{flag} {value} is invalid; it must be >= {low}")
     checks.output_dir("--results-dir", args.results_dir)
     runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts],
-                    roots="root" in node_reduces and args.nodes > 1)
+                    roots="root" in node_reduces and args.nodes > 1, unmetered=args.unmetered)
     try:
         config.load_all([[f"model={m}", *_method_overrides(x), f"cluster.workers_per_node={w}",
                           f"cluster.nodes={args.nodes}",
@@ -154,16 +159,19 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
 
 
 def run_list(method_names: list[str], *, engines: list[str], counts: list[int],
-             roots: bool = False) -> dict[int, list[str]]:
+             roots: bool = False, unmetered: bool = False) -> dict[int, list[str]]:
     """The names run at each worker count: every method natively, the Horovod twin of
     each all-reduce method above 1 worker (where an all-reduce has something to move),
-    and with `roots` the root-path twin of each PS method."""
+    with `roots` the root-path twin of each PS method, and with `unmetered` each method
+    natively without its host meter."""
     allreduce = checks.methods_on("allreduce")  # reads conf/method/: once
     twins = [m + TWIN for m in method_names if m in allreduce]
     ps = checks.methods_on("ps") if roots else []
     roots_of = [m + ROOT for m in method_names if m in ps]
-    return {n: [m for m in method_names if "native" in engines]
-            + (twins if "horovod" in engines and n > 1 else []) + roots_of for n in counts}
+    native = [m for m in method_names if "native" in engines]
+    bare = [m + UNMETERED for m in native] if unmetered else []
+    return {n: native + (twins if "horovod" in engines and n > 1 else []) + roots_of + bare
+            for n in counts}
 
 
 def _method_overrides(name: str) -> list[str]:
@@ -194,14 +202,22 @@ def run_method(model_name: str, name: str, workers: int, *, out: Path,
                              *_run_overrides(args, out)])
 
 
+def _twin(config_json: object) -> str:
+    """The twin suffix of a row's run-list name, from its configuration ("" for none)."""
+    if not isinstance(config_json, str):
+        return ""
+    cfg = json.loads(config_json)
+    root = cfg["method"]["transport"].get("node_reduce") == "root"
+    unmetered = cfg.get("run", {}).get("method_host") is False
+    return (ROOT if root else "") + (UNMETERED if unmetered else "")
+
+
 def _run_names(frame: pd.DataFrame) -> pd.Series:
-    """Each row's run-list name: its method, with ROOT for a PS run on the root path."""
+    """Each row's run-list name: its method, with ROOT for a PS run on the root path and
+    UNMETERED for one without its host meter."""
     if "config_json" not in frame:
         return frame.method
-    root = frame.config_json.map(
-        lambda text: json.loads(text)["method"]["transport"].get("node_reduce") == "root"
-        if isinstance(text, str) else False)
-    return frame.method.where(~root, frame.method + ROOT)
+    return frame.method + frame.config_json.map(_twin)
 
 
 def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
@@ -220,7 +236,9 @@ def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, fl
         fast = max((t for t in (get("wfbp_a2a", top), get("mgwfbp", top)) if t), default=None)
         if fast and get("ddp", top):
             r[f"best(wfbp_a2a,mgwfbp)/ddp@{top}w"] = fast / get("ddp", top)
-        for method, base in PAIRS:
+        pairs = [*PAIRS, *((m + UNMETERED, m) for m in ok.method.unique()
+                           if not m.endswith(UNMETERED))]
+        for method, base in pairs:
             if get(method, top) and get(base, top):
                 r[f"{method}/{base}@{top}w"] = get(method, top) / get(base, top)
         for method in ALLREDUCE:
@@ -239,8 +257,12 @@ def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[
     return {model: {ratio: {"median", "min", "max", "rounds"}}}."""
     frame = pd.concat(rounds)
     ok = frame[frame.status == "ok"].assign(method=_run_names).groupby(
-        ["model", "world_size", "method", "engine"]).throughput
-    print(ok.agg(["median", "min", "max", "count"]).round(2).to_string())
+        ["model", "world_size", "method", "engine"])
+    summary = ok.throughput.agg(["median", "min", "max", "count"])
+    if "method_host_s" in frame:  # the method's own host time and its waits, per iteration
+        summary["host_ms"] = ok.method_host_s.median() * 1e3
+        summary["wait_ms"] = ok.method_wait_s.median() * 1e3
+    print(summary.round(2).to_string())
     per_round = [ratios(f, workers=workers) for f in rounds]
     table: dict[str, dict[str, dict]] = {}
     for model_name in sorted({m for r in per_round for m in r}):

@@ -18,12 +18,14 @@ import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from methods.hostmeter import OFF, HostMeter
 
 # longest sleep between two polls of a communication's completion: on a fast GPU a
 # millisecond is a layer's backward, and a credit returned that late idles the link
@@ -162,7 +164,7 @@ class Scheduler(Protocol):
     """Decides when each unit is issued and awaited, and when the update is applied."""
 
     def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list,
-               transport: Transport) -> None: ...
+               transport: Transport, meter: HostMeter = OFF) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -178,7 +180,14 @@ class Scheduler(Protocol):
 
 
 class Method(ABC):
-    """What the harness needs of a gradient-communication method."""
+    """What the harness needs of a gradient-communication method.
+
+    `meter` times the method's host work and waits (methods/hostmeter.py); the harness
+    gives each method its own before `wrap`, and a method times its hooks and waits on it.
+    """
+
+    meter: HostMeter = OFF
+    units: Sequence = ()  # the plan's communication units, each with its gradients' `params`
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -44,6 +44,7 @@ class Engine(Method):
         self.model: nn.Module | None = None
         self.active: Scheduler | None = None
         self.profiler: BackwardProfiler | None = None
+        self.units: list[Unit] = []
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.model = model
@@ -67,7 +68,9 @@ class Engine(Method):
 
     def _activate(self, units: list[Unit], scheduler: Scheduler) -> None:
         self.transport.open(self.buffer, units)
-        scheduler.attach(self.model, buffer=self.buffer, units=units, transport=self.transport)
+        scheduler.attach(self.model, buffer=self.buffer, units=units, transport=self.transport,
+                         meter=self.meter)
+        self.units = units
         self.active = scheduler
 
     def synchronize(self) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from methods.base import GradBuffer, record, wait_for
+from methods.hostmeter import OFF, HostMeter
 
 
 def module_layers(model: nn.Module, params: list[nn.Parameter]
@@ -81,7 +82,7 @@ class LayerUpdates:
     """Applies updates layer by layer (from any thread) and gates each module's forward."""
 
     def __init__(self, model: nn.Module, buffer: GradBuffer, *, timeout_s: float,
-                 check: Callable[[], None]) -> None:
+                 check: Callable[[], None], meter: HostMeter = OFF) -> None:
         self.buffer = buffer
         self.timeout_s = timeout_s
         self.check = check  # raises the scheduler's error, if it has one
@@ -96,7 +97,8 @@ class LayerUpdates:
         self.device = buffer.flat.device
         self.applied: list[torch.cuda.Event | None] = [None] * len(self.names)  # GPU: the end
         self.hooks: list[RemovableHandle] = [
-            m.register_forward_pre_hook(self._gate(layers)) for m, layers in needs.items()]
+            m.register_forward_pre_hook(meter.gate(self._gate(layers)))
+            for m, layers in needs.items()]
         self.bound = threading.Event()
         self.optimizer: torch.optim.Optimizer | None = None
         self.subs: list[list[torch.optim.Optimizer]] = []

@@ -61,6 +61,7 @@ from methods.base import (
     wait_for,
 )
 from methods.delay import HookDelay
+from methods.hostmeter import OFF, HostMeter
 from methods.layerwise import LayerUpdates
 from methods.order import OrderFollower, OrderLeader
 from methods.plan import Unit, credit_in_elements, fuse_pieces
@@ -107,14 +108,14 @@ class Priority:
     # -- set-up ---------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit],
-               transport: Transport) -> None:
+               transport: Transport, meter: HostMeter = OFF) -> None:
         self.buffer, self.units, self.transport = buffer, units, transport
         if (self.cycle_s or self.fusion_bytes) and not getattr(transport, "fuses", False):
             raise ValueError("scheduler cycle_s and fusion_bytes need a transport that can fuse "
                              "pieces (allreduce)")
         self.credit = self._credit(buffer.flat.element_size())
         self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s,
-                                   check=self.failure.check)
+                                   check=self.failure.check, meter=meter)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
         self.role = "local"
@@ -131,7 +132,7 @@ class Priority:
         self.iteration = 0
         self.stopping = False
         self.done: queue.SimpleQueue = queue.SimpleQueue()
-        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+        self.hooks = [p.register_post_accumulate_grad_hook(meter.hook(self._hook(i), i))
                       for i, p in enumerate(buffer.params)]
         issue = self._follow if self.role == "follower" else self._issue
         self.device = device = buffer.flat.device

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from methods.base import GradBuffer, Handle, Transport
 from methods.delay import HookDelay
+from methods.hostmeter import OFF, HostMeter
 from methods.plan import Unit
 from methods.priority import Priority
 
@@ -33,17 +34,16 @@ class AfterBackward:
         self.hook_delay_s = hook_delay_s  # no gradient hooks: nothing to delay
         self.waited: list[Handle] = []  # awaited, but on a GPU perhaps still running
 
-    def attach(
-        self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit], transport: Transport
-    ) -> None:
-        self.buffer, self.units, self.transport = buffer, units, transport
+    def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit],
+               transport: Transport, meter: HostMeter = OFF) -> None:
+        self.buffer, self.units, self.transport, self.meter = buffer, units, transport, meter
 
     def synchronize(self) -> None:
         for i in range(len(self.buffer.params)):
             self.buffer.collect(i)
         handles = [self._start(i) for i in range(len(self.units))]
         for h in handles:
-            h.wait()
+            self.meter.wait(h.wait)
         self.waited = handles
 
     def _start(self, i: int) -> Handle:
@@ -85,13 +85,12 @@ class OnReady(AfterBackward):
         self.hooks: list[RemovableHandle] = []
         self.waited: list[Handle] = []
 
-    def attach(
-        self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit], transport: Transport
-    ) -> None:
-        super().attach(model, buffer=buffer, units=units, transport=transport)
+    def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit],
+               transport: Transport, meter: HostMeter = OFF) -> None:
+        super().attach(model, buffer=buffer, units=units, transport=transport, meter=meter)
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
         self.unit_of = {i: u for u, unit in enumerate(units) for i in unit.params}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+        self.hooks = [p.register_post_accumulate_grad_hook(meter.hook(self._hook(i), i))
                       for i, p in enumerate(buffer.params)]
         self._reset()
 
@@ -130,7 +129,7 @@ class OnReady(AfterBackward):
                 self.buffer.collect_missing(self.units[u].params)
             self._issue_one(u)
         for h in self.handles:
-            h.wait()
+            self.meter.wait(h.wait)
         self.waited = self.handles
         self._reset()
 

@@ -29,6 +29,15 @@ def test_the_studys_clock_drains_every_step_and_is_recorded(results_dir) -> None
     assert json.loads(row.config_json)["run"]["sync_each_step"] is True
 
 
+def test_without_the_host_meter_the_row_says_not_measured(results_dir) -> None:
+    out = _run(results_dir, "method=wfbp_a2a", "cluster.workers_per_node=2",
+               "run.method_host=false", "model=bert_tiny")
+    assert out.returncode == 0, out.stderr
+    row = results.load(results_dir).iloc[0]
+    assert row.status == "ok" and pd.isna(row.method_host_s) and pd.isna(row.method_wait_s)
+    assert "hook_s_per_unit" not in json.loads(row.plan_json)
+
+
 def _assert_no_orphans(frame) -> None:
     for run_id in frame.run_id.unique():
         assert live_processes(run_id) == [], f"processes of run {run_id} were left behind"
@@ -66,6 +75,16 @@ def test_two_worker_run_writes_a_valid_shard(method: str, results_dir) -> None:
     assert len(row.devices) == 2 and row.peak_memory_bytes > 0
     assert (row.tf32_matmul, row.tf32_cudnn, row.cudnn_benchmark) == (False, True, False)
     assert not row.sync_each_step  # ddlbench's clock: nothing synchronizes inside a step
+    # the method's own host time and its waits: measured, and within the iteration
+    assert row.method_host_s > 0 and row.method_wait_s >= 0
+    assert row.method_host_s + row.method_wait_s < np.mean(row.iter_times_s)
+    plan = json.loads(row.plan_json)
+    if method != "ddp":  # its hooks are C++, in its reducer: only its calls are timed
+        per_unit = plan["hook_s_per_unit"]
+        assert len(per_unit) == len(plan["units"]) and all(s >= 0 for s in per_unit)
+        assert sum(per_unit) < row.method_host_s * 2  # rank 0's hooks; the row: the mean
+        # BSP has no gradient hooks: it gathers the gradients in synchronize
+        assert (sum(per_unit) > 0) == (plan["scheduler"] != "after_backward")
     assert isinstance(json.loads(row.comm_env_json), dict)
     assert f"{row.run_id} " in out.stdout or row.run_id in out.stdout
     assert "samples/s" in out.stdout
@@ -175,3 +194,10 @@ def test_methodbench_ratios_pair_each_optimization_with_its_plain_twin() -> None
     assert ratios(frame, workers=[4])["m"] == pytest.approx({
         "wfbp_ps/bsp_ps@4w": 1.2, "wfbp_ps@root/bsp_ps@root@4w": 1.25,
         "bsp_ps/bsp_ps@root@4w": 1.25, "wfbp_ps/wfbp_ps@root@4w": 1.2})
+    # a run without its host meter (its config says so) is the method's unmetered twin
+    frame = pd.DataFrame([{"model": "m", "method": "mgwfbp", "engine": "native",
+                           "world_size": 2, "throughput": t, "status": "ok",
+                           "config_json": json.dumps({"method": {"transport": {}},
+                                                      "run": {"method_host": on}})}
+                          for on, t in ((True, 10.0), (False, 10.5))])
+    assert ratios(frame, workers=[2])["m"] == pytest.approx({"mgwfbp@unmetered/mgwfbp@2w": 1.05})

@@ -123,6 +123,7 @@ class RunConf:
     tf32_cudnn: bool = True      # cuDNN convolutions in TF32,
     cudnn_benchmark: bool = False  # no cuDNN autotuning
     sync_each_step: bool = False  # true: the study's clock, a drain at each step's end
+    method_host: bool = True  # time the method's host work and waits (methods/hostmeter.py)
     fault: FaultConf = field(default_factory=FaultConf)
 
 

@@ -30,6 +30,7 @@ from harness.measure import results
 from harness.measure.results import identity
 from harness.measure.timing import PHASES, Clock, timed_window
 from methods.base import device_sync
+from methods.hostmeter import HostMeter
 
 
 def make_optimizer(model: nn.Module, conf: DictConfig) -> torch.optim.Optimizer:
@@ -63,6 +64,7 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
                            group=ctx.worker_group, device=ctx.device, timeout_s=cfg.run.timeout_s,
                            workers_per_node=cfg.cluster.workers_per_node,
                            node_groups=ctx.node_groups, network=cfg.network.name)
+    method.meter = HostMeter(on=cfg.run.method_host)
     wrapped = method.wrap(model)
     return wrapped, method, make_optimizer(model, cfg.model.optimizer)
 
@@ -76,17 +78,21 @@ def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.o
     torch.cuda.synchronize(), which waited for the communication still in flight, so a
     method whose communication and updates overlap the next forward (ByteScheduler) lost
     that overlap in the study's numbers: here the step ends with the method drained (every
-    piece and update done) and the device synchronized, on CPUs too."""
+    piece and update done) and the device synchronized, on CPUs too.
+
+    The method's meter times its calls here (the user's optimizer.step is update_s, not
+    the method's); its hooks and waits inside forward and backward time themselves."""
+    meter = method.meter
     loss = model(batch)
     clock.mark()
     loss.backward()
     clock.mark()
-    method.synchronize()
+    meter.call(method.synchronize)
     clock.mark()
     method.step(optimizer)
-    method.zero_grad()
+    meter.call(method.zero_grad)
     if sync_on is not None:
-        method.drain()
+        meter.wait(method.drain)
         device_sync(sync_on)
 
 
@@ -155,12 +161,17 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
     for _ in range(cfg.run.warmup_iters):
         step(Clock(ctx.device))
     method.drain()
+    method.meter.reset()
     window = timed_window(step, iters=cfg.run.timed_iters, drain=method.drain,
                           device=ctx.device, group=ctx.worker_group)
     ctx.beat("gathering the timings")
+    iters, meter = cfg.run.timed_iters, method.meter
+    host = (meter.host_s / iters, meter.wait_s / iters) if meter.on else (None, None)
     per_rank = _gather((window.seconds, window.iter_times, window.phases,
-                        peak_memory(ctx.device)), ctx)
+                        peak_memory(ctx.device), host), ctx)
     plan = method.plan()
+    if meter.on and method.units:  # this rank's; every rank runs the same plan
+        plan["hook_s_per_unit"] = meter.per_unit([u.params for u in method.units], iters)
     method.close()
     return per_rank, plan, done
 
@@ -203,21 +214,26 @@ def _gather(obj, ctx: Context) -> list:
 
 def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: list,
          plan: dict, info: dict) -> dict:
-    windows = [w for w, _, _, _ in per_rank]
-    rank_iters = [it for _, it, _, _ in per_rank]
-    phase_means = torch.tensor([p for _, _, p, _ in per_rank], dtype=torch.float64).mean(
-        dim=(0, 1))
+    windows, rank_iters, phases, memory, host = zip(*per_rank)
+    phase_means = torch.tensor(phases, dtype=torch.float64).mean(dim=(0, 1))
     samples = ctx.num_workers * cfg.model.local_batch_size * cfg.run.timed_iters
     return {
         **identity(cfg, run_id=ctx.run_id, repeat=repeat), **info,
         "throughput": samples / max(windows), "timed_s": max(windows),
-        "iter_times_s": [max(ts) for ts in zip(*rank_iters)], "rank_iter_times_s": rank_iters,
+        "iter_times_s": [max(ts) for ts in zip(*rank_iters)],
+        "rank_iter_times_s": list(rank_iters),
         **dict(zip(PHASES, phase_means.tolist())),
-        "peak_memory_bytes": max(m for _, _, _, m in per_rank),
+        "peak_memory_bytes": max(memory),
+        **dict(zip(("method_host_s", "method_wait_s"), _mean_over_ranks(host))),
         "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
         "hostnames": [h for h, _ in hosts], "devices": [d for _, d in hosts],
         "plan_json": json.dumps(plan),
     }
+
+
+def _mean_over_ranks(values: tuple) -> tuple:
+    """Per column, the mean over the workers (None when not measured)."""
+    return tuple(None if None in col else sum(col) / len(col) for col in zip(*values))
 
 
 def device_name(device: torch.device) -> str:

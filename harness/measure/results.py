@@ -38,6 +38,7 @@ PARAMETERS = ["warmup_iters", "timed_iters", "seed", "sync_each_step"]
 METRICS = [
     "throughput", "timed_s", "iter_times_s", "rank_iter_times_s",
     "forward_s", "backward_s", "comm_s", "update_s", "peak_memory_bytes",
+    "method_host_s", "method_wait_s",
 ]
 STATUS = ["status", "error"]
 PROVENANCE = [
@@ -67,6 +68,7 @@ SCHEMA = pa.schema([
     ("rank_iter_times_s", pa.list_(pa.list_(pa.float64()))),
     ("forward_s", pa.float64()), ("backward_s", pa.float64()),
     ("comm_s", pa.float64()), ("update_s", pa.float64()), ("peak_memory_bytes", pa.int64()),
+    ("method_host_s", pa.float64()), ("method_wait_s", pa.float64()),
     ("status", pa.string()), ("error", pa.string()),
     ("git_commit", pa.string()), ("torch_version", pa.string()), ("backend", pa.string()),
     ("device", pa.string()), ("hostnames", pa.list_(pa.string())),
