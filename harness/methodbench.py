@@ -26,7 +26,12 @@ prints:
   and `--node-reduce scatter,root`: each PS method also on the node path through the
   root (its `@root` twin, method.transport.node_reduce=root), each twin over bsp_ps@root,
   and each PS method over its twin (BytePS's scatter path over the root path);
-- at 1 worker: every all-reduce method over the plain loop (the harness's overhead).
+- at 1 worker: every all-reduce method over the plain loop (the harness's overhead);
+- with `--unmetered`: each method without its host meter over itself with it (what
+  timing `method_host_s` costs; run.method_host=false, its `@unmetered` twin).
+
+Beside each configuration's throughput it prints the medians of `method_host_s` and
+`method_wait_s` (ms per iteration): the method's own cost on the training thread.
 
 Each ratio is taken within a round (runs minutes apart, so the slow drift of a
 shared machine cancels) and the median over the rounds is the figure; every
