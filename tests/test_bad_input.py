@@ -67,7 +67,13 @@ ROWS = [
     ("harness.run", ["method=bsp_ps", "cluster.nodes=2", "run.fault.rank=4"],
      ["run.fault.rank=4", "0..3"]),
     ("harness.run", ["run.fault.at_iter=-1"], ["run.fault.at_iter=-1", ">= 0"]),
-    # output folders: checked, never made
+    # output folders: checked, never made; an empty one is not the current folder
+    ("harness.run", ["results_dir="], ["results_dir is empty", "results_dir=results"]),
+    ("harness.microbench", ["results_dir="], ["results_dir is empty"]),
+    ("harness.simulate", [*STUDY, "results_dir="], ["results_dir is empty"]),
+    ("harness.report.__main__", ["results_dir="], ["results_dir is empty"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir= "], ["out_dir is empty"]),
+    ("harness.methodbench", ["--results-dir", ""], ["--results-dir is empty"]),
     ("harness.run", ["results_dir={tmp}/file.txt"], ["results_dir=", "file.txt is a file"]),
     ("harness.run", ["results_dir={tmp}/file.txt/results"], ["cannot be made", "is a file"]),
     ("harness.run", ["results_dir={ro}/results"], ["results_dir=", "not writable"]),
