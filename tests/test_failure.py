@@ -27,6 +27,9 @@ RESET = RuntimeError("[pair.cc:545] Read error: Connection reset by peer")
 TIMEOUT = RuntimeError("[unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation")
 SERVER = RuntimeError("parameter server rank 2 failed or did not answer")
 SERVER.__cause__ = TIMEOUT
+BOUND = RuntimeError("The server socket has failed to listen on any local network address. "
+                     "port: 29517, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+                     "address already in use")
 LOST = RuntimeError("parameter server rank 2 (key 0) failed or did not answer: [pair.cc:561] "
                     "Connection closed by peer")  # its side of the pair timed out first
 
@@ -48,6 +51,10 @@ LOST = RuntimeError("parameter server rank 2 (key 0) failed or did not answer: [
      "rank 0: RuntimeError: parameter server rank 2", 1),
     (Ending(1, {0: 1, 1: 1, 2: 1}), {0: (RESET, 1), 1: (SERVER, 2), 2: (RESET, 2.1)},
      "rank 2 hung at repeat 0, serving round 40: its peers timed out", 1),
+    # rank 0 could not listen: a port collision, not a rank's failure, though it came first
+    (Ending(1, {0: 1, 1: 1}), {0: (BOUND, 1), 1: (TIMEOUT, 2)},
+     "port collision: the rendezvous port was taken by another program or run as rank 0 "
+     "started", 1),
     # the launcher's own reason comes first
     (Ending(130, {}, alive=[0, 1, 2], interrupt="the launcher was interrupted"), {},
      "the launcher was interrupted", 1),

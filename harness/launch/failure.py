@@ -31,6 +31,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness import config
+from harness.launch import ports
 
 # Errors a rank gets because another one failed (Gloo, NCCL, the TCP store, sockets):
 # a peer that did not answer in time, or a peer that went away.
@@ -146,7 +147,8 @@ def _how(code: int) -> str:
 def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | None]:
     """The first cause of a failed local run, and the repeat it hit (None: unknown).
 
-    In order: the launcher's own reason (a signal to it); a rank that died
+    In order: the launcher's own reason (a signal to it); a port collision (the rendezvous
+    port taken by someone else between the check and the bind); a rank that died
     without saying why (a signal, `os._exit`); a rank's own error; no progress at
     all; a rank its peers timed out on or lost (a gloo pair that times out on one side
     closes on the other): one still running without an error, else the one their
@@ -160,8 +162,14 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
     silent = [r for r in ending.alive if r not in errors]  # still running, saying nothing
     hung = silent + [r for r in _named(timeouts) if r in errors] + [  # named; saw peers go
         e["rank"] for e in symptoms if e["symptom"] == "closed"]
+    taken = [e for e in errors.values() if ports.IN_USE.search(e["error"])]
     if ending.interrupt:
         text, rank = ending.interrupt, None
+    elif taken:  # not a rank's failure: the port was another program's or run's first
+        text, rank = (f"port collision: the rendezvous port was taken by another program "
+                      f"or run as rank {taken[0]['rank']} started ({taken[0]['error']}); run "
+                      "again with cluster.master_port=0 (a free port per run) or another "
+                      "free port"), None
     elif hard:
         rank = hard[0]
         text = f"rank {rank} {_how(ending.exits[rank])}{_at(beats.get(rank))}"

@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from omegaconf import DictConfig
 
 from harness.config import ConfigError, load, to_json
 from harness.config.ranks import external_rank, host_of, num_servers, num_workers
-from harness.launch import failure, netem
+from harness.launch import failure, netem, ports
 from harness.launch.rank import new_run_id, run_rank
 
 POLL_S = 0.1
@@ -42,7 +41,8 @@ SETTLE_S = 3.0  # after a rank timed out on a peer: time for the others to say w
 
 
 def check_launcher(cfg: DictConfig) -> None:
-    """Under torchrun/srun, the started processes must match the configured cluster."""
+    """Under torchrun/srun, the started processes must match the configured cluster;
+    launched here, a given rendezvous port must be free (harness.launch.ports)."""
     ext = external_rank()
     expected = num_workers(cfg) + num_servers(cfg)
     if ext is not None and ext["world_size"] != expected:
@@ -50,6 +50,10 @@ def check_launcher(cfg: DictConfig) -> None:
             f"the launcher started {ext['world_size']} processes but cluster.nodes x "
             f"cluster.workers_per_node + servers = {expected}; make them agree"
         )
+    if ext is None and cfg.cluster.name != "emulated" and cfg.cluster.master_port:
+        # an emulated network's rank 0 listens in a namespace of its own: nothing shares it
+        ports.check_free("cluster.master_port", cfg.cluster.master_addr,
+                         cfg.cluster.master_port)
 
 
 def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
@@ -78,12 +82,6 @@ def command(argv: list[str], *, entry: str) -> int:
     return code
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In the child: get SIGKILL if the launcher dies, so no worker is orphaned."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -104,7 +102,7 @@ def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int, run_
 def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
     run_id = new_run_id(cfg)
     workers, world = num_workers(cfg), num_workers(cfg) + num_servers(cfg)
-    port = cfg.cluster.master_port or _free_port()
+    port = cfg.cluster.master_port or ports.free_port()
     with _signals_raise(), tempfile.TemporaryDirectory(prefix=f"ddlbench-{run_id}-") as tmp, \
             _network(cfg, hosts=cfg.cluster.nodes + num_servers(cfg)) as net:
         run_dir = Path(tmp)

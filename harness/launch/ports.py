@@ -1,0 +1,78 @@
+"""The rendezvous port of a local run: free before start, and who holds it when it is not.
+
+Rank 0 listens on `cluster.master_port` (its TCPStore). A port another program or run
+already listens on would have rank 0 fail to bind and the other ranks join the wrong
+store. So a given port is checked before anything starts (exit 2 naming who holds it,
+when /proc tells), and port 0 means a free one picked by the kernel per run, so two
+concurrent runs never share one. A port taken in the moment between the check and rank
+0's bind is reported as a collision (harness.launch.failure), not as a rank's failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+from pathlib import Path
+
+from harness.config import ConfigError
+
+IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def check_free(key: str, addr: str, port: int) -> None:
+    """ConfigError naming `key`, the port and its holder if `port` cannot be bound on `addr`."""
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise ConfigError(f"{key}={port} cannot be used on {addr}: {exc.strerror}; "
+                                  f"choose another port, or {key}=0 (a free one)") from None
+            raise ConfigError(f"{key}={port} is already in use on {addr}{holder(port)}; "
+                              f"choose another port, or {key}=0 (a free one per run)") from None
+
+
+def holder(port: int) -> str:
+    """' by pid N (command)' of the process listening on TCP `port`, or '' when /proc
+    does not say (another user's process, or no /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{inode}]")
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
+        if any(link in inodes for link in _fd_links(pid)):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                return f" by pid {pid}"
+            return f" by pid {pid} ({cmd.decode(errors='replace').strip()[:120]})"
+    return ""
+
+
+def _fd_links(pid: str):
+    """What process `pid`'s open files point to (nothing where /proc will not say)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
