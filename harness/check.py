@@ -4,6 +4,7 @@
     python -m harness.check model=bert_tiny method=ddp,bsp_ps     # only these methods
     torchrun --nproc-per-node=4 -m harness.check cluster.workers_per_node=4
     srun -N2 --ntasks-per-node=4 python -m harness.check cluster.nodes=2 cluster.workers_per_node=4
+    python -m harness.check --clean    # remove what killed runs left behind, and say what
 
 Three sections, on the cluster the overrides describe:
 
@@ -38,6 +39,7 @@ from omegaconf import DictConfig
 from harness import config
 from harness.config import ConfigError
 from harness.config.ranks import external_rank, num_servers, num_workers
+from harness.launch import leftovers
 from harness.launch.launcher import check_launcher, launch
 from harness.launch.rank import exit_now
 
@@ -192,7 +194,20 @@ def check_methods(p: Plan, *, say: Callable[[str], None]) -> tuple[dict[str, str
     return verdicts, None
 
 
+def clean(argv: list[str]) -> int:
+    """`--clean`: remove what killed runs left behind (harness.launch.leftovers), say what."""
+    if argv != ["--clean"]:
+        print("ddlbench: error: --clean takes no other arguments; run python -m harness.check "
+              "--clean alone", file=sys.stderr)
+        return 2
+    removed = leftovers.clean()
+    print(f"ddlbench: {leftovers.say_cleaned(removed) or 'nothing left behind by killed runs'}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if "--clean" in argv:
+        return clean(argv)
     try:
         p = plan(argv)
     except ConfigError as exc:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from harness.config import ConfigError, load, to_json
 from harness.config.ranks import external_rank, host_of, num_servers, num_workers
-from harness.launch import failure, netem, ports
+from harness.launch import failure, leftovers, netem, ports
 from harness.launch.rank import new_run_id, run_rank
 
 POLL_S = 0.1
@@ -103,8 +103,12 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
     run_id = new_run_id(cfg)
     workers, world = num_workers(cfg), num_workers(cfg) + num_servers(cfg)
     port = cfg.cluster.master_port or ports.free_port()
-    with _signals_raise(), tempfile.TemporaryDirectory(prefix=f"ddlbench-{run_id}-") as tmp, \
-            _network(cfg, hosts=cfg.cluster.nodes + num_servers(cfg)) as net:
+    cleaned = leftovers.say_cleaned(leftovers.clean())
+    if cleaned:
+        print(f"ddlbench: {cleaned}", file=sys.stderr)
+    with _signals_raise(), tempfile.TemporaryDirectory(
+            prefix=leftovers.folder_prefix(run_id)) as tmp, \
+            _network(cfg, hosts=cfg.cluster.nodes + num_servers(cfg), run_dir=Path(tmp)) as net:
         run_dir = Path(tmp)
         cfg_path = run_dir / "config.json"
         cfg_path.write_text(to_json(cfg))
@@ -150,12 +154,16 @@ def _signals_raise() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _network(cfg: DictConfig, *, hosts: int) -> Iterator[netem.EmulatedNetwork | None]:
-    """The run's emulated network (cluster=emulated), removed afterwards; else None."""
+def _network(cfg: DictConfig, *, hosts: int, run_dir: Path
+             ) -> Iterator[netem.EmulatedNetwork | None]:
+    """The run's emulated network (cluster=emulated), removed afterwards; else None. Its
+    token is written into the run's folder first, for harness.launch.leftovers."""
     if cfg.cluster.name != "emulated":
         yield None
         return
-    with netem.EmulatedNetwork(hosts=hosts, rate_mbit=cfg.network.get("rate_mbit")) as net:
+    net = netem.EmulatedNetwork(hosts=hosts, rate_mbit=cfg.network.get("rate_mbit"))
+    (run_dir / leftovers.NETWORK).write_text(net.token)
+    with net:
         yield net
 
 

@@ -91,9 +91,30 @@ class EmulatedNetwork:
         self.close()
 
 
+def _names(argv: list[str], marker: str) -> list[str]:
+    try:
+        text = subprocess.run(argv, capture_output=True, text=True).stdout
+    except OSError:  # no iproute2: no network was made here
+        return []
+    return sorted({w.split("@")[0].rstrip(":") for w in text.split() if w.startswith(marker)})
+
+
 def leftovers(token: str = "") -> list[str]:
     """Names of namespaces and links of ddlbench networks (of one run, given its token)."""
-    names = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    names += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     marker = PREFIX + token
-    return sorted({w.split("@")[0].rstrip(":") for w in names.split() if w.startswith(marker)})
+    return sorted({*_names(["ip", "-o", "link"], marker), *_names(["ip", "netns", "list"], marker)})
+
+
+def remove(token: str) -> list[str]:
+    """Remove the network of `token` (its owner died without closing it): its namespaces
+    (which takes their veth pairs with them), then the links left. What was removed."""
+    if not token.isalnum():
+        return []  # not a token this module made
+    marker, gone = PREFIX + token, []
+    for ns in _names(["ip", "netns", "list"], marker):
+        if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
+            gone.append(f"namespace {ns}")
+    for link in _names(["ip", "-o", "link"], marker):
+        if subprocess.run(["ip", "link", "del", link], capture_output=True).returncode == 0:
+            gone.append(f"link {link}")
+    return gone
