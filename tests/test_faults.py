@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from harness.config import checks
+from harness.config import engine as horovod
 from harness.launch import netem
 from harness.measure import results
 from tests.conftest import REPO, live_processes
@@ -29,6 +30,7 @@ RUN = ["model=bert_tiny", f"run.warmup_iters={WARMUP}", f"run.timed_iters={TIMED
        "run.repeats=2"]
 SECOND_REPEAT = WARMUP + TIMED + 2  # run.fault.at_iter of an iteration in the second repeat
 METHODS = ("bsp_a2a", "wfbp_ps", "bytescheduler_a2a")  # all-reduce, PS, ByteScheduler
+HOROVOD = "@horovod"  # a method on engine=horovod
 HANG_TIMEOUT_S = 30  # run.timeout_s of hangs: short, yet above a loaded machine's start-up skew
 
 
@@ -68,9 +70,17 @@ FAULTS = {  # each with the method `make test` runs it with
         "bytescheduler_a2a",
     Fault("rank-sigkill", [], ["rank 1 was killed by signal SIGKILL"], action="kill1"):
         "bsp_a2a",
+    # Horovod's engine: its background thread must not make rank 0 look like the culprit
+    Fault("horovod-worker-hang", _inject(1, "hang"), ["rank 1 hung", "repeat 1"],
+          timeout_s=HANG_TIMEOUT_S, methods=(f"wfbp_a2a{HOROVOD}",)): f"wfbp_a2a{HOROVOD}",
+    Fault("horovod-rank-sigkill", [], ["rank 1 was killed by signal SIGKILL"], action="kill1",
+          methods=(f"bsp_a2a{HOROVOD}",)): f"bsp_a2a{HOROVOD}",
 }
+NO_HOROVOD = pytest.mark.skipif(horovod.problem(device="cpu") is not None,
+                                reason=f"{horovod.problem(device='cpu')}")
 CASES = [pytest.param(fault, method, id=f"{fault.name}-{method}",
-                      marks=[] if method == FAULTS[fault] else [pytest.mark.faults])
+                      marks=([] if method == FAULTS[fault] else [pytest.mark.faults])
+                      + ([NO_HOROVOD] if method.endswith(HOROVOD) else []))
          for fault in FAULTS for method in fault.methods]
 
 
@@ -163,7 +173,9 @@ def test_fault_ends_the_run_with_one_row_naming_the_cause(fault: Fault, method: 
     sweep = ["-m", "run.seed=0,1"] if fault.action.startswith("SIG") else []
     # PS methods with every worker pushing: one node then has its server (rank 2)
     ps = ["method.transport.local_reduce=false"] if method.endswith("_ps") else []
-    run = Run(tmp_path, *sweep, f"method={method}", *ps,
+    method, on_horovod, _ = method.partition(HOROVOD)
+    engine = ["engine=horovod"] if on_horovod else []
+    run = Run(tmp_path, *sweep, f"method={method}", *ps, *engine,
               f"cluster.workers_per_node={fault.workers}", *fault.overrides,
               timeout_s=fault.timeout_s)
     _act(run, fault.action)
