@@ -29,12 +29,22 @@ from tests.conftest import TINY, run_main, run_module
 
 RO = "/proc/sys/ddlbench-test"  # a read-only file system: not writable, even for root
 RO_WRITABLE = os.access(Path(RO).parent, os.W_OK)
+PUBLISHED = ("model,local_batch_size,network,method,gpus,throughput_mean,throughput_std,"
+             "single_gpu_throughput")
 FILES = {
     "file.txt": "not a folder\n",
     "cols.csv": "model,method\nx,y\n",
     "text.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,fast\n",
     "other.csv": "model,method,network,gpus,throughput_mean\nbert_base,ddp,eth10_tcp,4,100\n",
     "bin.csv": "\x89PNG\x00\xff\xfe garbage",
+    "neg.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,-5\n",
+    "zero.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,0\n",
+    "inf.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,inf\n",
+    "twice.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,90\n"
+                 "resnet50,bsp_a2a,ib100_rdma,4,95\n",
+    "pubneg.csv": f"{PUBLISHED}\nresnet50,64,ib100_rdma,bsp_a2a,4,-300,1,200\n",
+    "pubgpus.csv": f"{PUBLISHED}\nresnet50,64,ib100_rdma,bsp_a2a,2.5,300,1,200\n",
+    "pubstd.csv": f"{PUBLISHED}\nresnet50,64,ib100_rdma,bsp_a2a,4,300,-1,200\n",
 }
 # One study configuration the simulator predicts from the study's GPU (no profiling).
 STUDY = ["model=resnet50", "network=ib100_rdma", "simulate.compute=rtx2080ti",
@@ -67,6 +77,25 @@ ROWS = [
     ("harness.run", ["method=bsp_ps", "cluster.nodes=2", "run.fault.rank=4"],
      ["run.fault.rank=4", "0..3"]),
     ("harness.run", ["run.fault.at_iter=-1"], ["run.fault.at_iter=-1", ">= 0"]),
+    # numbers that cannot be, in files read as input
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/neg.csv"],
+     ["column throughput_mean has value -5 (row 1)", "positive, finite"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/zero.csv"],
+     ["throughput_mean has value 0 (row 1)"]),
+    ("harness.simulate", [*STUDY, "simulate.calibrate={tmp}/inf.csv"],
+     ["throughput_mean has value inf (row 1)"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/twice.csv"],
+     ["has 2 rows for model resnet50, method bsp_a2a, network ib100_rdma at 4 GPUs",
+      "keep one row per cell"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubneg.csv"],
+     ["throughput_mean has value -300 (line 2)", "positive, finite"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubgpus.csv"],
+     ["gpus has value 2.5 (line 2)", "positive whole number"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubstd.csv"],
+     ["throughput_std has value -1 (line 2)", ">= 0"]),
     # output folders: checked, never made; an empty one is not the current folder
     ("harness.run", ["results_dir="], ["results_dir is empty", "results_dir=results"]),
     ("harness.microbench", ["results_dir="], ["results_dir is empty"]),

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
@@ -334,8 +335,8 @@ def _free_form(parent: str) -> bool:
 
 def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
                columns: list[str], numeric: list[str]) -> pd.DataFrame:
-    """`read(path)`, a table with `columns` and rows whose `numeric` columns are numbers;
-    else ConfigError naming `where` and the problem."""
+    """`read(path)`, a table with `columns` and rows whose `numeric` columns are positive,
+    finite numbers; else ConfigError naming `where` and the problem."""
     fix = f"give a CSV with columns {', '.join(columns)} or a folder of measured results"
     try:
         table = read(path)
@@ -354,5 +355,9 @@ def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
         if bad.any():
             raise ConfigError(f"{where}: column {col} has non-numeric value "
                               f"{table[col][bad].iloc[0]!r} (row {bad.argmax() + 1}); fix it")
+        bad = ~(values.to_numpy(dtype=float) > 0) | ~np.isfinite(values.to_numpy(dtype=float))
+        if bad.any():
+            raise ConfigError(f"{where}: column {col} has value {float(values[bad].iloc[0]):g} "
+                              f"(row {bad.argmax() + 1}); it must be a positive, finite number")
         table[col] = values
     return table

@@ -75,6 +75,14 @@ def read_cells(where: str, source: str, cfgs: list[Config]) -> pd.DataFrame:
     ref = checks.read_table(where, source, read=measured,
                             columns=["model", "method", "network", "gpus", "throughput_mean"],
                             numeric=["gpus", "throughput_mean"])
+    key = ["model", "method", "network", "gpus"]
+    twice = ref.duplicated(key, keep=False).to_numpy()
+    if twice.any():
+        first = ref[twice].iloc[0]
+        raise config.ConfigError(
+            f"{where} has {int((ref[key] == first[key]).all(axis=1).sum())} rows for model "
+            f"{first.model}, method {first.method}, network {first.network} at "
+            f"{int(first.gpus)} GPUs; keep one row per cell")
     cells = {(c.model.name, c.method.name, c.network.name, num_workers(c)) for c in cfgs}
     ref = ref[[cell in cells for cell in zip(ref.model, ref.method, ref.network, ref.gpus)]]
     if ref.empty:

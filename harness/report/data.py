@@ -22,6 +22,10 @@ PHASES = ["forward_s", "backward_s", "comm_s", "update_s"]
 REF_COLUMNS = ["model", "local_batch_size", "network", "method", "gpus"] + (
     "throughput_mean throughput_std single_gpu_throughput".split()
 )
+# What each numeric column of a reference must hold: (in words, the test).
+POSITIVE = ("a positive, finite number", lambda v: np.isfinite(v) & (v > 0))
+VALID = {"throughput_std": ("a finite number >= 0", lambda v: np.isfinite(v) & (v >= 0)),
+         "gpus": ("a positive whole number", lambda v: (v > 0) & (v % 1 == 0))}
 # Published columns -> the names of `aggregate`'s output.
 _REF_RENAME = {
     "gpus": "world_size",
@@ -123,6 +127,12 @@ def read_reference(path: str | Path) -> pd.DataFrame:
                 f"'{ref[col][bad].iloc[0]}' (line {bad.idxmax() + 2}); fix it"
             )
         ref[col] = values
+        must, holds = VALID.get(col, POSITIVE)
+        wrong = values.notna() & ~holds(values)
+        if wrong.any():
+            raise ReportError(
+                f"reference file '{path}': column {col} has value "
+                f"{float(values[wrong].iloc[0]):g} (line {wrong.idxmax() + 2}); it must be {must}")
     return ref
 
 
