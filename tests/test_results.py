@@ -32,6 +32,23 @@ def test_load_merges_files_and_directories(tmp_path) -> None:
     assert list(frame.iter_times_s.iloc[0]) == [0.1, 0.2]
 
 
+def test_a_copied_shard_is_counted_once_with_a_warning(tmp_path, capsys) -> None:
+    import shutil
+
+    path = results.shard_path(tmp_path / "a", "run", 0)
+    results.write_shard(path, [_row("run", 0, 10.0)])
+    results.write_shard(results.shard_path(tmp_path / "a", "run", 1), [_row("run", 1, 12.0)])
+    (tmp_path / "backup").mkdir()
+    shutil.copy(path, tmp_path / "backup" / path.name)
+    frame = results.load(tmp_path)
+    assert sorted(frame.throughput) == [10.0, 12.0]
+    assert "1 rows were read twice" in capsys.readouterr().err
+    # rows of one simulated sweep share a run and repeat, but not their configuration
+    rows = [{**_row("sim", 0, t), "config_json": f'{{"n": {t}}}'} for t in (1.0, 2.0)]
+    results.write_shard(results.shard_path(tmp_path / "s", "sim", 0), rows)
+    assert sorted(results.load(tmp_path / "s").throughput) == [1.0, 2.0]
+
+
 def test_unknown_columns_are_refused(tmp_path) -> None:
     with pytest.raises(KeyError, match="througput"):
         results.write_shard(tmp_path / "s.parquet", [{"througput": 1.0}])

@@ -245,9 +245,18 @@ def load_report(
 
 
 def _frame(table: pa.Table) -> pd.DataFrame:
-    """The rows as a DataFrame; rows from before the engine and sync_each_step columns ran
-    natively, on ddlbench's clock."""
+    """The rows as a DataFrame, each row once; rows from before the engine and
+    sync_each_step columns ran natively, on ddlbench's clock.
+
+    A row read twice (the same run, repeat and configuration in two shards: a copied
+    shard) is counted once, with a warning."""
     frame = table.to_pandas()
+    twice = frame.duplicated([*IDENTITY, "config_json"])
+    if twice.any():
+        print(f"ddlbench: warning: {int(twice.sum())} rows were read twice (the same run, "
+              "repeat and configuration in two shards: a copied shard?); each is counted "
+              "once", file=sys.stderr)
+        frame = frame[~twice].reset_index(drop=True)
     frame["engine"] = frame["engine"].fillna("native")
     frame["sync_each_step"] = frame["sync_each_step"].astype("boolean").fillna(False).astype(bool)
     return frame
