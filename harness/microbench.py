@@ -18,14 +18,29 @@ from __future__ import annotations
 
 import sys
 
+from omegaconf import DictConfig
+
+from harness.config import ConfigError
+from harness.config.ranks import num_workers
 from harness.launch.launcher import command
 from harness.launch.rank import exit_now
 
 ENTRY = "harness.measure.microbench"  # what every rank runs
 
 
+def two_workers(cfg: DictConfig) -> None:
+    """Messages need two ranks: one worker would time an all-reduce that moves nothing and
+    fit a link that costs nothing per byte."""
+    if num_workers(cfg) < 2:
+        raise ConfigError(f"harness.microbench times messages between workers, and "
+                          f"cluster.nodes={cfg.cluster.nodes} x cluster.workers_per_node="
+                          f"{cfg.cluster.workers_per_node} is one; use "
+                          "cluster.workers_per_node=2 (this machine's loopback) or "
+                          "cluster.nodes=2")
+
+
 def main(argv: list[str]) -> int:
-    return command(argv, entry=ENTRY)
+    return command(argv, entry=ENTRY, check=two_workers)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,9 @@ ROWS = [
     ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
                                  "reference={tmp}/pubstd.csv"],
      ["throughput_std has value -1 (line 2)", ">= 0"]),
+    ("harness.microbench", ["cluster.workers_per_node=1"],
+     ["times messages between workers", "cluster.workers_per_node=1", "is one",
+      "cluster.workers_per_node=2"]),
     # output folders: checked, never made; an empty one is not the current folder
     ("harness.run", ["results_dir="], ["results_dir is empty", "results_dir=results"]),
     ("harness.microbench", ["results_dir="], ["results_dir is empty"]),

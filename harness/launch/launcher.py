@@ -69,11 +69,15 @@ def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
     return code, run_id if ext["rank"] == 0 else None
 
 
-def command(argv: list[str], *, entry: str) -> int:
-    """A one-configuration command: validate `argv` (one line and exit 2 on bad input,
-    before anything starts), then run `entry` on every rank; the run's exit code."""
+def command(argv: list[str], *, entry: str,
+            check: Callable[[DictConfig], None] | None = None) -> int:
+    """A one-configuration command: validate `argv` (and `check` the command's own needs;
+    one line and exit 2 on bad input, before anything starts), then run `entry` on every
+    rank; the run's exit code."""
     try:
         cfg = load(argv)
+        if check is not None:
+            check(cfg)
         check_launcher(cfg)
     except ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)

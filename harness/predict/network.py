@@ -57,7 +57,14 @@ def _microbench_link(cfg: Config) -> Cost:
             f"python -m harness.microbench {where}network={cfg.network.name} "
             f"cluster.{'nodes' if where else 'workers_per_node'}=2")
     p2p = fits[-1][fits[-1].kind == "p2p"].iloc[0]
-    return Cost(float(p2p.alpha_s), float(p2p.beta_s_per_byte))
+    alpha, beta = float(p2p.alpha_s), float(p2p.beta_s_per_byte)
+    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta > 0):
+        raise config.ConfigError(
+            f"the newest microbenchmark of network={cfg.network.name} in {folder} fits its "
+            f"link with alpha={alpha:g} s and beta={beta:g} s/byte, which no link has; measure "
+            f"it again: python -m harness.microbench network={cfg.network.name} "
+            "cluster.workers_per_node=2")
+    return Cost(alpha, beta)
 
 
 def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> float:
