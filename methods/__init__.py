@@ -10,6 +10,7 @@ the pieces' classes (and torch with them). Parameter servers run `serve`; worker
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -85,9 +86,9 @@ def check(method: Mapping[str, Any]) -> None:
 
 def _positive(method: Mapping[str, Any], kind: str, key: str) -> int | None:
     value = method[kind].get(key)
-    if value is not None and value <= 0:
+    if value is not None and not 0 < value < math.inf:
         raise ValueError(f"method {method['name']!r}: method.{kind}.{key}={value} is invalid; "
-                         "it must be > 0")
+                         "it must be a finite number > 0")
     return value
 
 
@@ -121,7 +122,7 @@ def _check_sizes(method: Mapping[str, Any]) -> None:
         raise ValueError(f"method {method['name']!r}: method.planner.cost={cost!r} is unknown; "
                          "choose fitted (measured on the run) or study (the study's table)")
     cycle = method["scheduler"].get("cycle_s")
-    if cycle is not None and cycle < 0:
+    if cycle is not None and not 0 <= cycle < math.inf:
         raise ValueError(f"method {method['name']!r}: method.scheduler.cycle_s={cycle} is "
                          "invalid; it must be >= 0 (0: no cycle, every piece alone)")
 

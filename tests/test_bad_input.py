@@ -77,6 +77,21 @@ ROWS = [
     ("harness.run", ["method=bsp_ps", "cluster.nodes=2", "run.fault.rank=4"],
      ["run.fault.rank=4", "0..3"]),
     ("harness.run", ["run.fault.at_iter=-1"], ["run.fault.at_iter=-1", ">= 0"]),
+    # values that pass composition but could never run
+    ("harness.run", ["run.timeout_s=nan"], ["run.timeout_s=nan is invalid", "finite number > 0"]),
+    ("harness.run", ["run.timeout_s=inf"], ["run.timeout_s=inf is invalid"]),
+    ("harness.verify", ["verify.atol=nan"], ["verify.atol=nan is invalid", ">= 0"]),
+    ("harness.run", ["method=bytescheduler_a2a", "method.scheduler.cycle_s=inf"],
+     ["method.scheduler.cycle_s=inf is invalid"]),
+    ("harness.run", ["method=ddp", "method.planner.bucket_cap_mb=nan"],
+     ["method.planner.bucket_cap_mb=nan is invalid"]),
+    ("harness.run", ["cluster.master_addr=no.such.host.invalid"],
+     ["cluster.master_addr=no.such.host.invalid does not resolve here", "127.0.0.1"]),
+    ("harness.run", ["cluster.master_addr=192.0.2.1"],
+     ["cluster.master_addr=192.0.2.1 cannot be listened on here"]),
+    # a required group deleted
+    ("harness.run", ["~model"], ["model.family has no value", "~model", "model=<bert_base"]),
+    ("harness.simulate", ["~method"], ["method.name has no value", "method=<bsp_a2a"]),
     # numbers that cannot be, in files read as input
     ("harness.simulate", [*STUDY, "simulate.reference={tmp}/neg.csv"],
      ["column throughput_mean has value -5 (row 1)", "positive, finite"]),

@@ -62,7 +62,7 @@ def test_a_simulated_job_is_the_configuration_hydra_composes(overrides) -> None:
 
 @pytest.mark.parametrize("override, fragment", [
     ("cluster.nodes=abc", "cluster.nodes: Value 'abc' of type 'str' could not be converted"),
-    ("cluster.nodes=0", "cluster.nodes=0 is invalid; it must be > 0"),
+    ("cluster.nodes=0", "cluster.nodes=0 is invalid; it must be a finite number > 0"),
     ("network.rate_mbt=3", "network.rate_mbt is not a configuration key; network has: name,"),
     ("network.ps_host_copy=abc", "network.ps_host_copy='abc' is invalid; it must be true or false"),
     ("simulate.calibrate_gpus=[1]", "simulate.calibrate_gpus has 1; fit on GPU counts above 1"),

@@ -361,7 +361,18 @@ def _is_plain(override) -> bool:
 
 
 def _typed(cfg: DictConfig) -> DictConfig:
-    return _schema_errors(OmegaConf.merge, OmegaConf.structured(BenchConf), cfg)
+    """`cfg` typed by the schema, with every required value given (ConfigError else)."""
+    typed = _schema_errors(OmegaConf.merge, OmegaConf.structured(BenchConf), cfg)
+    missing = sorted(OmegaConf.missing_keys(typed))
+    if missing:
+        key = missing[0]
+        group = key.split(".")[0]
+        names = choices(group)
+        fix = (f"choose one: {group}=<{' | '.join(names)}>" if names
+               else f"give it: {key}=<value>")
+        raise ConfigError(f"{key} has no value, and it is required (was {group} deleted with "
+                          f"~{group}?); {fix}")
+    return typed
 
 
 def _schema_errors(func, *args, **kwargs):

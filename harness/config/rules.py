@@ -8,6 +8,8 @@ same `checked` set for the whole sweep; every other rule runs per job.
 
 from __future__ import annotations
 
+import math
+
 from omegaconf import DictConfig
 
 from harness.config import checks
@@ -17,9 +19,9 @@ from harness.config.schema import OPTIMIZERS, ConfigError, first_line
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{name}={value} is invalid; it must be {bound}")
+        raise ConfigError(f"{name}={value} is invalid; it must be a finite number {bound}")
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

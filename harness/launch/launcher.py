@@ -50,10 +50,9 @@ def check_launcher(cfg: DictConfig) -> None:
             f"the launcher started {ext['world_size']} processes but cluster.nodes x "
             f"cluster.workers_per_node + servers = {expected}; make them agree"
         )
-    if ext is None and cfg.cluster.name != "emulated" and cfg.cluster.master_port:
+    if ext is None and cfg.cluster.name != "emulated":
         # an emulated network's rank 0 listens in a namespace of its own: nothing shares it
-        ports.check_free("cluster.master_port", cfg.cluster.master_addr,
-                         cfg.cluster.master_port)
+        ports.check_free(cfg.cluster.master_addr, cfg.cluster.master_port)
 
 
 def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:

@@ -28,17 +28,27 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_free(key: str, addr: str, port: int) -> None:
-    """ConfigError naming `key`, the port and its holder if `port` cannot be bound on `addr`."""
-    with socket.socket() as s:
+def check_free(addr: str, port: int) -> None:
+    """ConfigError unless rank 0 of a local run can listen on `addr` (cluster.master_addr)
+    and `port` (cluster.master_port; 0: any free one): the address resolves, is this
+    machine's, and nobody listens on the port (the message names who does)."""
+    try:
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"cluster.master_addr={addr} does not resolve here ({exc.strerror}); "
+                          "a local run's rank 0 listens on it: give this machine's address "
+                          "or name, e.g. 127.0.0.1") from None
+    with socket.socket(family) as s:
         try:
             s.bind((addr, port))
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise ConfigError(f"{key}={port} cannot be used on {addr}: {exc.strerror}; "
-                                  f"choose another port, or {key}=0 (a free one)") from None
-            raise ConfigError(f"{key}={port} is already in use on {addr}{holder(port)}; "
-                              f"choose another port, or {key}=0 (a free one per run)") from None
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"cluster.master_port={port} is already in use on {addr}"
+                                  f"{holder(port)}; choose another port, or "
+                                  "cluster.master_port=0 (a free one per run)") from None
+            raise ConfigError(f"cluster.master_addr={addr} cannot be listened on here "
+                              f"({exc.strerror}): a local run's rank 0 listens on it; give "
+                              "this machine's address, e.g. 127.0.0.1") from None
 
 
 def holder(port: int) -> str:
