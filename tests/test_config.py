@@ -253,3 +253,16 @@ def test_output_dir_is_checked_without_being_made(tmp_path) -> None:
     for bad in (tmp_path / "f", tmp_path / "f" / "x"):
         with pytest.raises(config.ConfigError, match="is a file"):
             checks.output_dir("results_dir", bad)
+
+
+def test_a_yaml_error_names_its_file_and_line() -> None:
+    """Hydra's own message names neither; a broken method file is the user's to fix."""
+    broken = config.CONF_DIR / "method" / f"zz_broken_{os.getpid()}.yaml"
+    broken.write_text("name: broken\ntransport: {name: allreduce\nplanner: {name: per_tensor}\n")
+    try:
+        with pytest.raises(config.ConfigError) as err:
+            config.load([f"method={broken.stem}"])
+    finally:
+        broken.unlink()
+    assert str(err.value).startswith(f"conf/method/{broken.name} line 3, column 8: expected ','")
+    assert "fix that file" in str(err.value)
