@@ -151,6 +151,12 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
     checks.output_dir("--results-dir", args.results_dir)
     runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts],
                     roots="root" in node_reduces and args.nodes > 1, unmetered=args.unmetered)
+    if not any(runs.values()):
+        raise config.ConfigError(
+            f"--methods {args.methods} with --engines {args.engines} selects no run: engine "
+            "horovod runs the all-reduce methods only "
+            f"({', '.join(checks.methods_on('allreduce'))}); add --engines native or choose "
+            "an all-reduce method")
     try:
         config.load_all([[f"model={m}", *_method_overrides(x), f"cluster.workers_per_node={w}",
                           f"cluster.nodes={args.nodes}",

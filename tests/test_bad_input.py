@@ -189,6 +189,8 @@ ROWS = [
     ("harness.methodbench", ["--node-reduce", "ring"], ["--node-reduce 'ring' is unknown",
                                                         "scatter, root"]),
     ("harness.methodbench", ["--results-dir", "{tmp}/file.txt"], ["--results-dir", "is a file"]),
+    ("harness.methodbench", ["--methods", "bsp_ps", "--engines", "horovod"],
+     ["--methods bsp_ps with --engines horovod selects no run", "--engines native"]),
     ("harness.methodbench", ["--workers", "1000"], ["1000 local processes", "--force"]),
 ]
 DEFAULTS = {  # where each command would write, inside the scratch folder
