@@ -194,7 +194,10 @@ class Priority:
                     self.ready[u] = True
                 else:  # queued by the issuer once its gradient is in the buffer
                     self.unready.append(u)
-            self.cond.notify_all()
+            # wake the issuer only if it can act: out of credit, the completer wakes it
+            # when credit comes back (a wake-up per hook is a thread switch per tensor)
+            if self.role == "follower" or self.inflight < self.credit:
+                self.cond.notify_all()
 
     def _promote(self) -> None:
         """The issuer: queue by priority the hooked partitions whose gradient is in the
