@@ -20,7 +20,6 @@ import os
 import typing
 from typing import Any
 
-import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -28,7 +27,7 @@ from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from harness.config import cache, checks
+from harness.config import cache, checks, diagnose
 from harness.config.frozen import Frozen, assign, freeze, select, thaw
 from harness.config.rules import validate
 from harness.config.schema import CONF_DIR, GROUPS, BenchConf, ConfigError, first_line
@@ -104,37 +103,13 @@ def _hydra_compose(overrides: tuple[str, ...], hydra_node: bool) -> dict:
         key = getattr(exc.__cause__, "full_key", None)
         if isinstance(exc.__cause__, (ConfigAttributeError, ConfigKeyError)) and key:
             raise ConfigError(_unknown_key(key, overrides)) from None
-        broken = _broken_yaml() if _is_yaml_error(exc) else None
+        broken = diagnose.broken_yaml(CONF_DIR) if diagnose.is_yaml_error(exc) else None
         if broken:
             raise ConfigError(broken) from None
         raise ConfigError(f"bad configuration {list(overrides)}: "
                           f"{first_line(exc, type(exc).__name__)}") from None
     finally:
         GlobalHydra.instance().clear()
-
-
-def _is_yaml_error(exc: BaseException | None) -> bool:
-    while exc is not None:
-        if isinstance(exc, yaml.YAMLError):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _broken_yaml() -> str | None:
-    """Which file of conf/ YAML cannot parse, where, and why (Hydra's error names neither
-    file nor line); None if every file parses."""
-    for path in sorted(CONF_DIR.rglob("*.yaml")):
-        try:
-            yaml.safe_load(path.read_text())
-        except yaml.MarkedYAMLError as err:
-            mark = err.problem_mark
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            return (f"{path.relative_to(CONF_DIR.parent)}{where}: {err.problem or err}"
-                    f" ({err.context or 'not valid YAML'}); fix that file")
-        except (yaml.YAMLError, OSError) as err:
-            return f"{path.relative_to(CONF_DIR.parent)}: {first_line(err, type(err).__name__)}"
-    return None
 
 
 def _unknown_key(key: str, overrides: tuple[str, ...]) -> str:
@@ -391,15 +366,7 @@ def _is_plain(override) -> bool:
 def _typed(cfg: DictConfig) -> DictConfig:
     """`cfg` typed by the schema, with every required value given (ConfigError else)."""
     typed = _schema_errors(OmegaConf.merge, OmegaConf.structured(BenchConf), cfg)
-    missing = sorted(OmegaConf.missing_keys(typed))
-    if missing:
-        key = missing[0]
-        group = key.split(".")[0]
-        names = choices(group)
-        fix = (f"choose one: {group}=<{' | '.join(names)}>" if names
-               else f"give it: {key}=<value>")
-        raise ConfigError(f"{key} has no value, and it is required (was {group} deleted with "
-                          f"~{group}?); {fix}")
+    diagnose.required(typed, choices)
     return typed
 
 
