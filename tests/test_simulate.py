@@ -206,14 +206,14 @@ def test_bad_input_is_one_line_before_anything_runs(tmp_path) -> None:
     assert out.returncode == 2
     assert "python -m harness.microbench network=loopback" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
-    # ... and a measurement of a link that costs nothing per byte is no measurement
+    # ... and a measured link no link could have is no measurement
     (tmp_path / "microbench").mkdir()
     pd.DataFrame({"network": ["loopback"], "kind": ["p2p"], "bytes": [1024],
-                  "seconds": [4e-5], "alpha_s": [4e-5], "beta_s_per_byte": [0.0]}).to_parquet(
+                  "seconds": [4e-5], "alpha_s": [4e-5], "beta_s_per_byte": [-1e-9]}).to_parquet(
         tmp_path / "microbench" / "one-worker.parquet")
     out = run_module("harness.simulate", "network=loopback", f"results_dir={tmp_path}")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "alpha=4e-05 s and beta=0 s/byte, which no link has" in out.stderr
+    assert "alpha=4e-05 s and beta=-1e-09 s/byte, which no link has" in out.stderr
 
 
 def test_measured_compute_on_the_local_loopback(tmp_path) -> None:

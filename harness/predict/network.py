@@ -58,7 +58,8 @@ def _microbench_link(cfg: Config) -> Cost:
             f"cluster.{'nodes' if where else 'workers_per_node'}=2")
     p2p = fits[-1][fits[-1].kind == "p2p"].iloc[0]
     alpha, beta = float(p2p.alpha_s), float(p2p.beta_s_per_byte)
-    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta > 0):
+    # beta 0 is a fit over small messages only (clamped at 0); negative or no number is none
+    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta >= 0):
         raise config.ConfigError(
             f"the newest microbenchmark of network={cfg.network.name} in {folder} fits its "
             f"link with alpha={alpha:g} s and beta={beta:g} s/byte, which no link has; measure "
