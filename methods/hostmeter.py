@@ -36,24 +36,24 @@ class HostMeter:
         self.host_s = self.wait_s = 0.0
         self.hook_s: dict[int, float] = {}
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run a call of the training loop into the method: its time less its waits is
-        host time."""
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a call into the method (of the training loop, or a hook): its time less its
+        waits is host time."""
         if not self.on:
-            return fn()
+            return fn(*args)
         waited, start = self.wait_s, perf_counter()
         try:
-            return fn()
+            return fn(*args)
         finally:
             self.host_s += perf_counter() - start - (self.wait_s - waited)
 
-    def wait(self, fn: Callable[[], Any]) -> Any:
+    def wait(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking wait for communication (or for an update); its time is wait time."""
         if not self.on:
-            return fn()
+            return fn(*args)
         start = perf_counter()
         try:
-            return fn()
+            return fn(*args)
         finally:
             self.wait_s += perf_counter() - start
 
@@ -62,7 +62,7 @@ class HostMeter:
         if not self.on:
             return fn
 
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any) -> Any:  # `call`'s accounting inline: a hook is a hot path
             waited, start = self.wait_s, perf_counter()
             try:
                 return fn(*args)
@@ -76,7 +76,7 @@ class HostMeter:
         """A forward pre-hook that blocks until an update is applied: wait time."""
         if not self.on:
             return fn
-        return lambda *args: self.wait(lambda: fn(*args))
+        return lambda *args: self.wait(fn, *args)
 
     def per_unit(self, units: Sequence[Sequence[int]], iters: int) -> list[float]:
         """Hook seconds per iteration of each unit (its gradients' indices); a gradient in

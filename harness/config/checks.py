@@ -355,7 +355,8 @@ def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
         if bad.any():
             raise ConfigError(f"{where}: column {col} has non-numeric value "
                               f"{table[col][bad].iloc[0]!r} (row {bad.argmax() + 1}); fix it")
-        bad = ~(values.to_numpy(dtype=float) > 0) | ~np.isfinite(values.to_numpy(dtype=float))
+        numbers = values.to_numpy(dtype=float)
+        bad = ~(numbers > 0) | ~np.isfinite(numbers)
         if bad.any():
             raise ConfigError(f"{where}: column {col} has value {float(values[bad].iloc[0]):g} "
                               f"(row {bad.argmax() + 1}); it must be a positive, finite number")

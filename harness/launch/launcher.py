@@ -42,7 +42,8 @@ SETTLE_S = 3.0  # after a rank timed out on a peer: time for the others to say w
 
 def check_launcher(cfg: DictConfig) -> None:
     """Under torchrun/srun, the started processes must match the configured cluster;
-    launched here, a given rendezvous port must be free (harness.launch.ports)."""
+    launched here, rank 0 must be able to listen on the rendezvous address and port
+    (harness.launch.ports)."""
     ext = external_rank()
     expected = num_workers(cfg) + num_servers(cfg)
     if ext is not None and ext["world_size"] != expected:
