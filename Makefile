@@ -26,8 +26,9 @@ horovod: $(STAMP)
 	$(PY) -m harness.install_horovod
 	touch $(HOROVOD_STAMP)
 
-run: $(STAMP)
+run: $(STAMP)  # the small study, then its figures, tables and page (plots/index.html)
 	$(PY) -m harness.run experiment=smoke
+	$(PY) -m harness.report
 
 test: $(HOROVOD_STAMP)
 	$(PY) -m ruff check .

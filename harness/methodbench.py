@@ -66,7 +66,7 @@ from harness import run as harness_run
 from harness.config import checks
 from harness.config.schema import ENGINES, REPO
 from harness.launch.launcher import launch
-from harness.measure import results
+from harness.measure import progress, results
 from methods.layout import NODE_REDUCES
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
@@ -340,7 +340,9 @@ def main(argv: list[str]) -> int:
     if args.simulate:
         return time_simulations(args, Path(args.results_dir) / f"simulate-{stamp}")
     out = Path(args.results_dir) / stamp
-    failed = 0
+    failed, started, done = 0, time.perf_counter(), 0
+    total = args.rounds * len(model_names) * sum(len(names) + (w == min(runs))  # + plain
+                                                 for w, names in runs.items())
     for rnd in range(args.rounds):
         folder = out / f"round{rnd + 1}"
         for model_name in model_names:
@@ -351,7 +353,11 @@ def main(argv: list[str]) -> int:
                     continue
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     what = "plain loop" if name == "plain" else f"{name} x{workers}"
-                    print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}", flush=True)
+                    eta = progress.line("bench", done, total, time.perf_counter() - started,
+                                        "runs done")
+                    print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}  ({eta})",
+                          flush=True)
+                    done += 1
                     code = run_plain(model_name, out=folder, args=args) if name == "plain" \
                         else run_method(model_name, name, workers, out=folder, args=args)
                     if code in harness_run.STOPPED:  # Ctrl-C or SIGTERM: stop the benchmark

@@ -12,20 +12,17 @@ leaves a failed row and the sweep goes on; Ctrl-C or SIGTERM stops the sweep
 from __future__ import annotations
 
 import sys
-
-from omegaconf import DictConfig
+import time
 
 from harness import config
 from harness.launch.launcher import check_launcher, launch
 from harness.launch.rank import exit_now
+from harness.measure import progress
 from harness.measure.bench import summarize
 
 STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped launcher
 
-
 def main(argv: list[str]) -> int:
-    if any(a.startswith("hydra/launcher=") for a in argv):  # Hydra's launcher plugins
-        return hydra_main(argv)
     try:
         jobs = config.expand(argv)
         cfgs = config.load_all(jobs)
@@ -34,10 +31,12 @@ def main(argv: list[str]) -> int:
     except config.ConfigError as exc:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
-    failed = 0
+    failed, started = 0, time.perf_counter()
     for i, (job, cfg) in enumerate(zip(jobs, cfgs), start=1):
         if len(jobs) > 1:
-            print(f"== job {i}/{len(jobs)}: {' '.join(job)}", flush=True)
+            done = progress.line("sweep", i - 1, len(jobs), time.perf_counter() - started,
+                                 "jobs done")
+            print(f"== job {i}/{len(jobs)}: {' '.join(job)}  ({done})", flush=True)
         code, run_id = launch(cfg, entry="harness.measure.bench")
         if run_id is not None:
             print(summarize(cfg, run_id), flush=True)
@@ -50,26 +49,6 @@ def main(argv: list[str]) -> int:
         print(f"{len(jobs) - failed} of {len(jobs)} jobs succeeded; results in "
               f"{cfgs[0].results_dir}/ (draw them: python -m harness.report)")
     return 1 if failed else 0
-
-
-def hydra_main(argv: list[str]) -> int:
-    """Run `argv` (with hydra/launcher=...) through Hydra's multirun: each job, wherever
-    the launcher puts it, validates its config and runs `harness.run.main` on it."""
-    import hydra
-
-    @hydra.main(config_path=str(config.CONF_DIR), config_name="bench", version_base=None)
-    def task(cfg: DictConfig) -> int:
-        from hydra.core.hydra_config import HydraConfig
-
-        code = main(list(HydraConfig.get().overrides.task))
-        if code:
-            raise RuntimeError(f"job {HydraConfig.get().job.num} exited with code {code}")
-        return code
-
-    sys.argv = [sys.argv[0], *(["-m"] if "-m" not in argv else []), *argv]
-    task()
-    return 0
-
 
 if __name__ == "__main__":
     try:

@@ -55,6 +55,9 @@ SMOKE = ["experiment=smoke", "dry_run=true", "cluster.slurm.jobs_dir={tmp}/jobs"
 FIT = ["max(8, 4 x", "run.force=true"]
 
 ROWS = [
+    # Hydra's launchers are not a route (harness.submit is)
+    ("harness.run", ["-m", "hydra/launcher=slurm"], ["hydra/launcher=slurm", "harness.submit"]),
+    ("harness.submit", ["hydra.launcher.partition=gpu"], ["hydra.launcher", "harness.submit"]),
     # machine fit of local runs, lifted by run.force=true
     ("harness.run", ["cluster.workers_per_node=10000"],
      ["10000 local processes", "cluster.workers_per_node=10000", *FIT]),

@@ -159,6 +159,7 @@ def test_methodbench_times_the_plain_loop_and_a_method_and_writes_ratios(results
                      "--workers", "1", "--rounds", "1", "--warmup-iters", "1",
                      "--timed-iters", "2", "--results-dir", str(results_dir))
     assert out.returncode == 0, out.stderr
+    assert "(bench: 1/2 runs done [" in out.stdout and "left])" in out.stdout
     frame = results.load(results_dir)
     assert sorted(frame.method) == ["bsp_a2a", "plain"]
     assert (frame.status == "ok").all() and (frame.throughput > 0).all()

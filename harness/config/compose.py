@@ -59,6 +59,10 @@ def _parse(overrides: list[str]) -> list:
 def _check_choices(overrides: list[str]) -> None:
     for ov in _parse(overrides):
         key = ov.key_or_group
+        if key.startswith(("hydra/launcher", "hydra.launcher")):
+            raise ConfigError(f"{ov.input_line}: Hydra's launchers are not used; sweeps go to "
+                              "Slurm with python -m harness.submit (job arrays, resumable, "
+                              "one failed row per failure)")
         if key not in GROUPS:
             continue
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]

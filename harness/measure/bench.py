@@ -27,6 +27,7 @@ import models
 from harness.config.ranks import num_workers
 from harness.launch.rank import Context
 from harness.measure import results
+from harness.measure.progress import Progress
 from harness.measure.results import identity
 from harness.measure.timing import PHASES, Clock, timed_window
 from methods.base import device_sync
@@ -150,6 +151,10 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
                                    batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
 
     sync_on = ctx.device if cfg.run.sync_each_step else None
+    # rank 0 shows the repeat's progress once it takes 5 s: an update costs < 1 us a step
+    shown = Progress(cfg.run.warmup_iters + cfg.run.timed_iters, unit="iterations",
+                     desc=f"[{ctx.run_id}] repeat {ctx.repeat + 1}/{cfg.run.repeats}",
+                     delay_s=5) if ctx.rank == 0 else None
 
     def step(clock: Clock) -> None:
         nonlocal done
@@ -157,6 +162,8 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
         done += 1
         train_iteration(model, method, optimizer, batch, clock, sync_on=sync_on)
+        if shown is not None:
+            shown.update()
 
     for _ in range(cfg.run.warmup_iters):
         step(Clock(ctx.device))
@@ -164,6 +171,8 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
     method.meter.reset()
     window = timed_window(step, iters=cfg.run.timed_iters, drain=method.drain,
                           device=ctx.device, group=ctx.worker_group)
+    if shown is not None:
+        shown.close()
     ctx.beat("gathering the timings")
     iters, meter = cfg.run.timed_iters, method.meter
     host = (meter.host_s / iters, meter.wait_s / iters) if meter.on else (None, None)

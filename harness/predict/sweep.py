@@ -20,6 +20,7 @@ import pandas as pd
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.measure import results
+from harness.measure.progress import Progress
 from harness.predict import profile
 from harness.predict.model import Prediction, predict
 from harness.predict.network import Network, network
@@ -65,7 +66,7 @@ def predict_sweep(cfgs: list[Config]) -> pd.DataFrame:
 @dataclass
 class _Sweep:
     """The predictions of a sweep, in spans of configurations. A sweep of more than
-    LINES configurations says how far it is every tenth of the way, and shares the spans
+    LINES configurations shows its progress (harness.measure.progress), and shares the spans
     among processes, one per core (forked: they start with everything loaded here)."""
 
     cfgs: list[Config]
@@ -85,14 +86,14 @@ class _Sweep:
             return self.span((0, n))
         step = -(-n // SPANS)
         spans = [(a, min(a + step, n)) for a in range(0, n, step)]
-        started, out, told = time.perf_counter(), [], 0
-        with self._spans(spans) as done:
+        started, out = time.perf_counter(), []
+        with self._spans(spans) as done, Progress(n, "simulating", unit="configurations",
+                                                 file=sys.stdout, every_s=10) as shown:
             for rows in done:
                 out += rows
-                if 10 * len(out) // n > told or len(out) == n:
-                    told = 10 * len(out) // n
-                    print(f"simulated {len(out)}/{n} configurations ({100 * len(out) // n}%) "
-                          f"in {time.perf_counter() - started:.1f} s", flush=True)
+                shown.update(len(rows))
+        print(f"simulated {n} configurations in {time.perf_counter() - started:.1f} s",
+              flush=True)
         return out
 
     @contextlib.contextmanager

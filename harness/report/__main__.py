@@ -13,8 +13,9 @@ Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [referen
 * ``out_dir`` gets per setting ``fig_*`` (grouped bars with std error bars, ideal linear
   scaling, best speedup per group, a hatched published panel when the reference has the
   model), ``efficiency_*`` and ``breakdown_*`` (PNG + PDF), and ``summary.md``,
-  ``summary.csv``, ``best.csv``, ``ratios.csv`` (with both inputs). With a reference and
-  no results, the reference alone is drawn (the study's own figures).
+  ``summary.csv``, ``best.csv``, ``ratios.csv`` (with both inputs), and ``index.html``: one
+  self-contained page of this call's figures, the tables, what is missing and the rows'
+  provenance. With a reference and no results, the reference alone is drawn.
 * Missing cells and failed runs get no bar; they are noted in the figure and listed in
   summary.md's "Missing" section.
 * User errors (no data, bad reference, unknown argument, an out_dir that cannot be written):
@@ -30,18 +31,20 @@ from pathlib import Path
 
 from harness.config import ConfigError, checks
 from harness.measure import results
+from harness.report import page
 from harness.report.data import (
     ReportError,
     _log,
     aggregate,
     failed_runs,
-    load_results,
+    load_rows,
     missing_cells,
+    normalize,
     read_reference,
     reference_cells,
 )
 from harness.report.figures import write_figures
-from harness.report.tables import _missing_section, write_tables
+from harness.report.tables import gap_tables, missing_section, write_tables
 
 ARGS = {"results_dir": "results", "out_dir": "plots", "reference": None}
 
@@ -66,7 +69,8 @@ def report(results_dir: str, out_dir: str, reference: str | None = None) -> None
                           "results_dir=results)")
     published = reference_cells(read_reference(reference)) if reference else None
     start = time.perf_counter()
-    frame, bad, n = load_results(results_dir)
+    rows, bad, n = load_rows(results_dir)  # as written: the page shows their provenance
+    frame = normalize(rows)
     if frame.empty and published is None:
         raise _no_data(results_dir, bad, n)
     _log(
@@ -81,13 +85,17 @@ def report(results_dir: str, out_dir: str, reference: str | None = None) -> None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     missing = missing_cells(frame, data)
-    write_figures(data, out, attempted=attempted, reference=published, missing=missing)
-    header = (
-        f"# ddlbench report\n\nresults_dir `{results_dir}`: {n} shards, {len(frame)} rows, "
-        f"{len(bad)} unreadable; reference `{reference or 'none'}`.\n"
+    figures = write_figures(data, out, attempted=attempted, reference=published,
+                            missing=missing)
+    intro = (
+        f"results_dir `{results_dir}`: {n} shards, {len(frame)} rows, "
+        f"{len(bad)} unreadable; reference `{reference or 'none'}`."
     )
-    gaps = _missing_section(missing, failed_runs(frame), bad, data)
-    write_tables(data, out, header=header, published=published, missing=gaps)
+    gaps = gap_tables(missing, failed_runs(frame), bad, data)
+    write_tables(data, out, header=f"# ddlbench report\n\n{intro}\n", published=published,
+                 missing=missing_section(gaps))
+    page.write_page(out, page.render(intro=intro, cells=data, figures=figures,
+                                     published=published, gaps=gaps, rows=rows))
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, str | None]:

@@ -184,9 +184,14 @@ def missing_cells(frame: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
 
 
 
-def load_results(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
-    """(normalized frame, unreadable shards, number of shard files)."""
+def load_rows(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
+    """(the shards' rows as written, unreadable shards, number of shard files)."""
     path = Path(results_dir)
     files = results.shard_files(path) if path.exists() else []
-    frame, bad = results.load_report(files)
-    return normalize(frame), bad, len(files)
+    return (*results.load_report(files), len(files))
+
+
+def load_results(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
+    """(normalized frame, unreadable shards, number of shard files)."""
+    rows, bad, n = load_rows(results_dir)
+    return normalize(rows), bad, n

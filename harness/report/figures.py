@@ -203,10 +203,17 @@ def plot_breakdown(rows: pd.DataFrame) -> Figure | None:
     return fig
 
 
-def _save(fig: Figure, stem: Path) -> None:
+def _save(fig: Figure, stem: Path) -> Path:
     fig.savefig(f"{stem}.png", dpi=130)
     fig.savefig(f"{stem}.pdf")
     _log(f"wrote {stem}.png and .pdf")
+    return stem.with_name(f"{stem.name}.png")
+
+
+def setting_label(setting: pd.Series) -> str:
+    """`resnet50: local batch 64, network loopback, measured`."""
+    return (f"{setting['model']}: local batch {setting['local_batch_size']}, "
+            f"network {setting['network']}, {setting['source']}")
 
 
 def _names(keys: pd.DataFrame) -> dict[str, str]:
@@ -230,10 +237,13 @@ def write_figures(
     attempted: pd.DataFrame,
     reference: pd.DataFrame | None = None,
     missing: pd.DataFrame | None = None,
-) -> None:
-    """Throughput, efficiency and breakdown figures for every setting in `attempted`."""
+) -> dict[str, list[Path]]:
+    """Throughput, efficiency and breakdown figures for every setting in `attempted`;
+    returns the PNGs written per setting (`setting_label`)."""
     keys = attempted[["sid", *SETTING]].drop_duplicates("sid")
+    written: dict[str, list[Path]] = {}
     for sid, name in _names(keys).items():
+        pngs = written.setdefault(setting_label(keys[keys["sid"] == sid].iloc[0]), [])
         rows = cells[cells["sid"] == sid]
         grid = attempted[attempted["sid"] == sid]
         sizes = sorted(grid.loc[grid["world_size"] > 1, "world_size"].unique())
@@ -242,13 +252,14 @@ def write_figures(
         title = None if len(rows) else _title(grid.assign(intensity=np.nan))
         methods = grid.loc[grid["world_size"] > 1, "method"]
         kw = {"sizes": sizes, "methods": methods, "notes": notes, "title": title}
-        _save(plot_throughput(rows, reference=ref, **kw), out / f"fig_{name}")
+        pngs.append(_save(plot_throughput(rows, reference=ref, **kw), out / f"fig_{name}"))
         for kind, plot, lack in (
             ("efficiency", plot_efficiency, "1-worker baseline"),
             ("breakdown", plot_breakdown, "phase times (forward_s, ...)"),
         ):
             extra = plot(rows)
             if extra is not None:
-                _save(extra, out / f"{kind}_{name}")
+                pngs.append(_save(extra, out / f"{kind}_{name}"))
             else:
                 _log(f"skipped {kind}_{name}: no {lack} in the data")
+    return written

@@ -78,12 +78,13 @@ def ratio_table(measured: pd.DataFrame, published: pd.DataFrame) -> pd.DataFrame
     return _sorted(table, ["model", "network", "source", "method", "gpus"])
 
 
-def _missing_section(
+def gap_tables(
     missing: pd.DataFrame, failed: pd.DataFrame, bad: list[tuple[Path, str]], cells: pd.DataFrame
-) -> str:
-    """summary.md's "Missing": unreadable shards, missing baselines, empty cells, failures."""
+) -> dict[str, pd.DataFrame]:
+    """What is missing, by heading: unreadable shards, missing baselines, empty cells,
+    failures (summary.md's "Missing" section and the page's)."""
     cell = [*SETTING, "method", "world_size"]
-    sections = {
+    tables = {
         "Unreadable shards": pd.DataFrame(bad, columns=["shard", "error"]).astype(str),
         "No ok 1-worker baseline (speedups unknown)": cells.loc[
             cells["baseline"].isna(), SETTING
@@ -91,12 +92,24 @@ def _missing_section(
         "Cells without data": _sorted(missing[[*cell, "reason"]], cell),
         "Failed runs": _sorted(failed[["run_id", "repeat", *cell, "status", "error"]], cell),
     }
-    parts = [
-        f"### {head}\n\n{_markdown(t.rename(columns={'world_size': 'gpus'}))}"
-        for head, t in sections.items()
-        if len(t)
-    ]
+    return {head: t.rename(columns={"world_size": "gpus"}) for head, t in tables.items()}
+
+
+def missing_section(gaps: dict[str, pd.DataFrame]) -> str:
+    """summary.md's "Missing" section of `gap_tables`."""
+    parts = [f"### {head}\n\n{_markdown(t)}" for head, t in gaps.items() if len(t)]
     return "\n".join(parts) if parts else "None: every method ran at every size.\n"
+
+
+def summary_tables(cells: pd.DataFrame, published: pd.DataFrame | None
+                   ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The throughput table, the best-method table and the latter as shown (speedups as
+    1.9x), with the published rows of the measured models."""
+    if published is not None:
+        cells = pd.concat([cells, published[published["model"].isin(cells["model"])]])
+    wide, best = throughput_table(cells), best_table(cells)
+    shown = best.assign(speedup=[f"{s:.1f}x" if np.isfinite(s) else "—" for s in best["speedup"]])
+    return wide, best, shown
 
 
 def write_tables(
@@ -110,12 +123,9 @@ def write_tables(
     """summary.md (throughput, best method, ratios, missing), summary.csv, best.csv and,
     with `published` cells, ratios.csv; published rows of the measured models are listed too."""
     ratios = None if published is None else ratio_table(cells, published)
-    if published is not None:
-        cells = pd.concat([cells, published[published["model"].isin(cells["model"])]])
-    wide, best = throughput_table(cells), best_table(cells)
+    wide, best, shown = summary_tables(cells, published)
     wide.to_csv(out / "summary.csv", index=False)
     best.to_csv(out / "best.csv", index=False)
-    shown = best.assign(speedup=[f"{s:.1f}x" if np.isfinite(s) else "—" for s in best["speedup"]])
     text = [
         header,
         "## Throughput (samples/s, mean ± std over repeats)\n",
