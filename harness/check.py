@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from harness import config
-from harness.config import ConfigError
+from harness.config import ConfigError, checks
 from harness.config.ranks import external_rank, num_servers, num_workers
 from harness.launch import leftovers
 from harness.launch.launcher import check_launcher, launch
@@ -75,6 +75,7 @@ def split_methods(argv: list[str]) -> tuple[list[str], list[str]]:
 def plan(argv: list[str]) -> Plan:
     """Load each method's verify config. Raises ConfigError (bad input) when the
     overrides are a sweep or no method's config can run the environment check."""
+    checks.used_by("harness.check", argv)
     names, rest = split_methods(argv)
     if len(config.expand(rest)) > 1:
         raise ConfigError("harness.check checks one cluster configuration; drop the comma "

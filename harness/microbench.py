@@ -40,7 +40,7 @@ def two_workers(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return command(argv, entry=ENTRY, check=two_workers)
+    return command(argv, name="harness.microbench", entry=ENTRY, check=two_workers)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from harness import config
+from harness.config import checks
 from harness.predict.plans import describe, mgwfbp_inputs, plan_of, render, tensors
 
 
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> int:
             return 2
         out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     try:
+        checks.used_by("harness.plan", argv)
         # nothing is started: lift the machine-fit limits of a run on this machine
         cfg = config.load(["run.force=true", *argv], simulate=True)
         model = tensors(cfg.model)

@@ -15,6 +15,7 @@ import sys
 import time
 
 from harness import config
+from harness.config import checks
 from harness.launch.launcher import check_launcher, launch
 from harness.launch.rank import exit_now
 from harness.measure import progress
@@ -24,6 +25,7 @@ STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped la
 
 def main(argv: list[str]) -> int:
     try:
+        checks.used_by("harness.run", argv)
         jobs = config.expand(argv)
         cfgs = config.load_all(jobs)
         for cfg in cfgs:

@@ -34,12 +34,14 @@ from __future__ import annotations
 import sys
 
 from harness import config
+from harness.config import checks
 from harness.predict import calibrate
 from harness.predict.sweep import predict_sweep, write
 
 
 def main(argv: list[str]) -> int:
     try:
+        checks.used_by("harness.simulate", argv)
         jobs = config.sweep(argv)
         cfgs = config.load_all(jobs, simulate=True)
         sim = cfgs[0].simulate

@@ -34,6 +34,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import config
+from harness.config import checks
 from harness.config.ranks import num_servers, num_workers
 from harness.launch.slurm import (
     Shape,
@@ -134,6 +135,7 @@ def describe(task: Task) -> str:
 def main(argv: list[str]) -> int:
     try:
         overrides, own = split_args(argv)
+        checks.used_by("harness.submit", overrides)
         dry_run = own.get("dry_run", "false").lower() == "true"
         tasks = load_tasks(overrides)
         todo, done = pending(tasks)

@@ -20,7 +20,7 @@ ENTRY = "harness.measure.verify"  # what every rank runs
 
 
 def main(argv: list[str]) -> int:
-    return command(argv, entry=ENTRY)
+    return command(argv, name="harness.verify", entry=ENTRY)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+import harness.check
 import harness.methodbench
 import harness.microbench
+import harness.plan
 import harness.report.__main__
 import harness.run
 import harness.simulate
@@ -55,6 +57,16 @@ SMOKE = ["experiment=smoke", "dry_run=true", "cluster.slurm.jobs_dir={tmp}/jobs"
 FIT = ["max(8, 4 x", "run.force=true"]
 
 ROWS = [
+    # an override a command does not read is refused, naming the command that reads it
+    ("harness.run", ["simulate.iterations=3"], ["harness.run does not read simulate.iterations",
+                                               "harness.simulate", "drop it"]),
+    ("harness.run", ["verify.steps=2"], ["does not read verify.steps", "harness.verify"]),
+    ("harness.simulate", ["microbench.repeats=2"], ["does not read microbench.repeats"]),
+    ("harness.submit", ["simulate.compute=rtx2080ti"], ["harness.submit does not read"]),
+    ("harness.verify", ["simulate.advise=true"], ["harness.verify does not read simulate"]),
+    ("harness.microbench", ["verify.atol=1"], ["harness.microbench does not read verify.atol"]),
+    ("harness.plan", ["microbench.max_bytes=9"], ["harness.plan does not read"]),
+    ("harness.check", ["simulate.iterations=2"], ["harness.check does not read"]),
     # Hydra's launchers are not a route (harness.submit is)
     ("harness.run", ["-m", "hydra/launcher=slurm"], ["hydra/launcher=slurm", "harness.submit"]),
     ("harness.submit", ["hydra.launcher.partition=gpu"], ["hydra.launcher", "harness.submit"]),
@@ -203,6 +215,8 @@ DEFAULTS = {  # where each command would write, inside the scratch folder
     "harness.simulate": ["results_dir={tmp}/results"],
     "harness.submit": ["results_dir={tmp}/results"],
     "harness.report.__main__": [],
+    "harness.plan": [],
+    "harness.check": [],
     "harness.methodbench": ["--results-dir", "{tmp}/results", "--rounds", "1"],
 }
 

@@ -77,7 +77,7 @@ def test_nothing_of_a_repeat_is_alive_in_the_next(servers: bool, tmp_path) -> No
     shape = ["cluster.nodes=2"] if servers else ["cluster.workers_per_node=2"]
     code = ("import sys; from harness.launch.launcher import command; "
             "from harness.launch.rank import exit_now; "
-            "exit_now(command(sys.argv[1:], entry='tests.release_entry'))")
+            "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.release_entry'))")
     out = subprocess.run(
         [sys.executable, "-c", code, *TINY, "model=bert_tiny", f"method={names[0]}",
          *shape, f"results_dir={tmp_path}"],

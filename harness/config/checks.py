@@ -362,3 +362,28 @@ def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
                               f"(row {bad.argmax() + 1}); it must be a positive, finite number")
         table[col] = values
     return table
+
+
+# Sections of conf/bench.yaml a command never reads, and the command that does read each:
+# an override of one would be silently ignored, so it is refused.
+NOT_READ = {
+    "harness.run": ("verify", "microbench", "simulate"),
+    "harness.submit": ("verify", "microbench", "simulate"),
+    "harness.verify": ("microbench", "simulate"),
+    "harness.check": ("microbench", "simulate"),
+    "harness.microbench": ("verify", "simulate"),
+    "harness.simulate": ("verify", "microbench"),
+    "harness.plan": ("verify", "microbench"),  # a measured link: results_dir, simulate.*
+}
+READ_BY = {"verify": "harness.verify and harness.check", "microbench": "harness.microbench",
+           "simulate": "harness.simulate and harness.plan"}
+
+
+def used_by(command: str, overrides: list[str]) -> None:
+    """Refuse an override of a section `command` does not read (NOT_READ)."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        section = key.split(".")[0]
+        if section in NOT_READ.get(command, ()):
+            raise ConfigError(f"{override}: {command} does not read {key} ({section} is read "
+                              f"by {READ_BY[section]}); drop it")

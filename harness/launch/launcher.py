@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.config import ConfigError, load, to_json
+from harness.config import ConfigError, checks, load, to_json
 from harness.config.ranks import external_rank, host_of, num_servers, num_workers
 from harness.launch import failure, leftovers, netem, ports
 from harness.launch.rank import new_run_id, run_rank
@@ -69,12 +69,13 @@ def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
     return code, run_id if ext["rank"] == 0 else None
 
 
-def command(argv: list[str], *, entry: str,
+def command(argv: list[str], *, name: str, entry: str,
             check: Callable[[DictConfig], None] | None = None) -> int:
-    """A one-configuration command: validate `argv` (and `check` the command's own needs;
-    one line and exit 2 on bad input, before anything starts), then run `entry` on every
-    rank; the run's exit code."""
+    """The one-configuration command `name`: validate `argv` (and `check` the command's
+    own needs; one line and exit 2 on bad input, before anything starts), then run `entry`
+    on every rank; the run's exit code."""
     try:
+        checks.used_by(name, argv)
         cfg = load(argv)
         if check is not None:
             check(cfg)
