@@ -106,8 +106,29 @@ def test_a_rank_that_dies_under_srun_leaves_a_failed_row(slurm, tmp_path) -> Non
     assert frame.status.tolist() == ["ok", "failed"], logs
     assert frame.run_id.nunique() == 1 and "slurm" in frame.run_id.iloc[0]
     error = frame.error.iloc[1]
-    assert error.startswith("srun exited with code"), error
+    assert error.startswith("rank 1 exited with code 3 at repeat 1, iteration "), error
+    assert "(srun exited with code" in error, error
     assert "task 1: Exited with exit code 3" in error, error  # srun's line about rank 1
+    assert not list(jobs.rglob("runs/*")), "the run folder is removed"
+
+
+@pytest.mark.slurm
+def test_a_rank_that_freezes_under_srun_is_the_one_blamed(slurm, tmp_path) -> None:
+    # rank 1 hangs in the second repeat: rank 0 times out waiting for it, and the failed row
+    # must name rank 1, not rank 0's timeout
+    res, jobs = tmp_path / "results", tmp_path / "jobs"
+    out = _submit(slurm, "model=bert_tiny", "method=bsp_a2a", "cluster.workers_per_node=2",
+                  *TINY, "run.repeats=2", "run.fault.rank=1", "run.fault.at_iter=4",
+                  "run.fault.kind=hang", "run.timeout_s=20", f"results_dir={res}",
+                  f"cluster.slurm.jobs_dir={jobs}", f"cluster.slurm.partition={slurm.partition}")
+    assert out.returncode == 0, out.stderr
+    _wait_for_queue(slurm, ARRAY_TIMEOUT_S)
+    logs = "\n".join(p.read_text() for p in jobs.rglob("logs/*.out"))
+    frame = results.load(res).sort_values("repeat")
+    assert frame.status.tolist() == ["ok", "failed"], logs
+    error = frame.error.iloc[1]
+    assert error.startswith("rank 1 hung at repeat 1, iteration "), error  # not rank 0
+    assert "its peers timed out waiting on it; rank 0: " in error, error
 
 
 @pytest.mark.slurm

@@ -10,9 +10,11 @@ rank 2 failed"). The row must name the cause, so the evidence is kept apart:
 - the launcher, which alone sees how each process ended, picks the first cause
   (`cause`) and writes the run's one failed row (`record`).
 
-Under srun the ranks cannot see each other's ends: a rank records its own
-error, a symptom is left to the array script, which runs
-`python -m harness.launch.failure` when srun fails and the task left no failed row.
+Under srun no launcher sees the ranks end: a rank records its own error, and every
+rank beats and leaves its last words in the array script's run folder
+(`DDLBENCH_RUN_DIR`, beside the logs); when srun fails the script runs
+`python -m harness.launch.failure`, which takes the ends srun reported from the log
+and names the cause as the local launcher would (`srun_cause`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness import config
+from harness.config.ranks import num_workers
 from harness.launch import ports
 
 # Errors a rank gets because another one failed (Gloo, NCCL, the TCP store, sockets):
@@ -53,8 +56,8 @@ def symptom(exc: BaseException) -> str:
 
 
 def beat(run_dir: Path | None, rank: int, repeat: int, where: str) -> None:
-    """A rank's progress, for the local launcher's watchdog and failure report (under
-    srun/torchrun, `run_dir` None, nobody watches)."""
+    """A rank's progress, for the failure report (and the local launcher's watchdog);
+    under torchrun, `run_dir` None, nobody watches."""
     if run_dir is not None:
         (run_dir / f"beat.rank{rank}").write_text(f"{repeat}\t{where}")
 
@@ -227,6 +230,21 @@ def error_line(log: Path) -> str:
     return (tasks[:1] or flagged[-1:] or lines[-1:] or ["(empty log)"])[0][:500]
 
 
+def srun_cause(run_dir: Path, log: Path, *, code: int, workers: int) -> tuple[str, int | None]:
+    """The first cause of a failed srun step, from its run folder and its log: srun's
+    first report of a task that ended ("task 1: Exited with exit code 3") is that rank's
+    exit; a rank that beat but neither ended nor left an error was still running (hung)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        text = ""
+    first = re.search(r"srun: error: .*task (\d+): Exited with exit code (\d+)", text)
+    exits = {int(first.group(1)): int(first.group(2))} if first else {}
+    errors = _errors(run_dir)
+    alive = [r for r in sorted(_beats(run_dir)) if r not in errors and r not in exits]
+    return cause(run_dir, Ending(code=code, exits=exits, alive=alive), workers=workers)
+
+
 def main(argv: list[str]) -> int:
     """`python -m harness.launch.failure --entry MODULE --run-id ID --exit-code N --log FILE --
     [overrides]`:
@@ -238,12 +256,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--exit-code", type=int, required=True)
     parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--run-dir", type=Path, help="the ranks' beats and errors")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     cfg = config.load(args.overrides)
-    error = f"srun exited with code {args.exit_code}: {error_line(args.log)}"
+    error, repeat = f"srun exited with code {args.exit_code}: {error_line(args.log)}", None
+    if args.run_dir is not None and args.run_dir.is_dir():
+        named, repeat = srun_cause(args.run_dir, args.log, code=args.exit_code,
+                                   workers=num_workers(cfg))
+        error = f"{named} ({error})"
     print(f"ddlbench: run {args.run_id} failed: {error}", file=sys.stderr)
-    record(cfg, entry=args.entry, run_id=args.run_id, repeat=None, error=error)
+    record(cfg, entry=args.entry, run_id=args.run_id, repeat=repeat, error=error)
     return 0
 
 

@@ -65,7 +65,9 @@ def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
     ext = external_rank()
     if ext is None:
         return _launch_local(cfg, entry=entry)
-    code, run_id = run_rank(cfg, entry=entry, run_id=None, run_dir=None, placed=True, **ext)
+    shared = os.environ.get("DDLBENCH_RUN_DIR")  # the array script's, for the blame
+    run_dir = Path(shared) if shared and Path(shared).is_dir() else None
+    code, run_id = run_rank(cfg, entry=entry, run_id=None, run_dir=run_dir, placed=True, **ext)
     return code, run_id if ext["rank"] == 0 else None
 
 

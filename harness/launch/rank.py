@@ -238,7 +238,8 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
         dist.destroy_process_group()
         return code, run_id
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then fatal
-        _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc)
+        _rank_failed(cfg, entry, ctx, rank=rank, run_id=run_id, run_dir=run_dir, exc=exc,
+                     placed=placed)
         exit_now(1)  # peers may be stuck in a collective: do not wait for clean-up
 
 
@@ -314,15 +315,18 @@ def _agree_run_id(cfg: DictConfig) -> str:
 
 
 def _rank_failed(cfg: DictConfig, entry: str, ctx: Context | None, *, rank: int,
-                 run_id: str | None, run_dir: Path | None, exc: BaseException) -> None:
-    """Say why this rank failed: to the local launcher, which names the run's cause;
-    else (srun, torchrun) as a failed row, unless it is a peer's symptom and the
-    array script (which sets DDLBENCH_RUN_ID) records srun's failure itself."""
+                 run_id: str | None, run_dir: Path | None, exc: BaseException,
+                 placed: bool) -> None:
+    """Say why this rank failed: to the run folder (the local launcher's, or the array
+    script's), whose owner names the run's cause; under srun or torchrun also as a failed
+    row, unless it is a peer's symptom and the array script (which sets DDLBENCH_RUN_ID)
+    records srun's failure itself."""
     text = f"rank {rank}: {type(exc).__name__}: {first_line(exc)}".rstrip(": ")
     print(f"ddlbench: {text}\n{traceback.format_exc()}", file=sys.stderr)
     if run_dir is not None:
         failure.write_error(run_dir, rank, exc, text)
-    elif run_id is not None and not (failure.symptom(exc) and "DDLBENCH_RUN_ID" in os.environ):
+    if placed and run_id is not None and not (
+            failure.symptom(exc) and "DDLBENCH_RUN_ID" in os.environ):
         failure.record(cfg, entry=entry, run_id=run_id, repeat=ctx.repeat if ctx else None,
                        error=text)
 
