@@ -67,6 +67,12 @@ ROWS = [
     ("harness.microbench", ["verify.atol=1"], ["harness.microbench does not read verify.atol"]),
     ("harness.plan", ["microbench.max_bytes=9"], ["harness.plan does not read"]),
     ("harness.check", ["simulate.iterations=2"], ["harness.check does not read"]),
+    # a value with a space the shell split; an interface this machine lacks
+    ("harness.run", ["results_dir={tmp}/my", "results"],
+     ["Error parsing override 'results'", "quote the value with its spaces",
+      "/my results'"]),
+    ("harness.run", ["cluster.gloo_ifname=nope0"],
+     ["cluster.gloo_ifname='nope0' is not an interface of this machine", "lo"]),
     # Hydra's launchers are not a route (harness.submit is)
     ("harness.run", ["-m", "hydra/launcher=slurm"], ["hydra/launcher=slurm", "harness.submit"]),
     ("harness.submit", ["hydra.launcher.partition=gpu"], ["hydra.launcher", "harness.submit"]),

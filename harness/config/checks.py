@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,11 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
                           "remove the override")
     if not local:  # a login node, or ranks that torchrun or srun placed (launch.rank)
         return
+    names = [name for _, name in socket.if_nameindex()]
+    if cluster.gloo_ifname is not None and cluster.gloo_ifname not in names:
+        raise ConfigError(f"cluster.gloo_ifname={cluster.gloo_ifname!r} is not an interface "
+                          f"of this machine (it has {', '.join(names)}); use one of them or "
+                          "leave it out")
     if cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
     if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":

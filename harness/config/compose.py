@@ -52,8 +52,13 @@ def _parse(overrides: list[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
+        split = next((i for i, o in enumerate(overrides) if i and "=" not in o
+                      and "=" in overrides[i - 1]), None)  # `key=a b`: a value with a space
+        hint = "" if split is None else (
+            f"; if '{overrides[split]}' belongs to {overrides[split - 1]}, quote the value "
+            f"with its spaces: '{overrides[split - 1]} {overrides[split]}'")
         raise ConfigError(f"cannot parse overrides {overrides}: "
-                          f"{first_line(exc, type(exc).__name__)}") from None
+                          f"{first_line(exc, type(exc).__name__)}{hint}") from None
 
 
 def _check_choices(overrides: list[str]) -> None:
