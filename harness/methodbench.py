@@ -326,6 +326,18 @@ def time_simulations(args: argparse.Namespace, out: Path) -> int:
     return 0 if all(r["median"] < r["target"] for r in table.values()) else 1
 
 
+def round_runs(runs: dict[int, list[str]], rnd: int) -> list[tuple[int, str]]:
+    """(workers, method or "plain") of one model in round `rnd`, in the order they run:
+    each worker count's methods rotated by the round; the plain loop takes its turn among
+    the smallest runs, rotated like them."""
+    order = []
+    for workers, names in runs.items():
+        names = ["plain", *names] if workers == min(runs) else names
+        if names:  # none: e.g. --engines horovod with no all-reduce method
+            order += [(workers, n) for n in names[rnd % len(names):] + names[:rnd % len(names)]]
+    return order
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -341,28 +353,22 @@ def main(argv: list[str]) -> int:
         return time_simulations(args, Path(args.results_dir) / f"simulate-{stamp}")
     out = Path(args.results_dir) / stamp
     failed, started, done = 0, time.perf_counter(), 0
-    total = args.rounds * len(model_names) * sum(len(names) + (w == min(runs))  # + plain
-                                                 for w, names in runs.items())
+    total = args.rounds * len(model_names) * len(round_runs(runs, 0))
     for rnd in range(args.rounds):
         folder = out / f"round{rnd + 1}"
         for model_name in model_names:
-            for workers, names in runs.items():
-                # the plain loop takes its turn among the smallest runs, rotated like them
-                names = ["plain", *names] if workers == min(runs) else names
-                if not names:  # e.g. --engines horovod with no all-reduce method
-                    continue
-                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-                    what = "plain loop" if name == "plain" else f"{name} x{workers}"
-                    eta = progress.line("bench", done, total, time.perf_counter() - started,
-                                        "runs done")
-                    print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}  ({eta})",
-                          flush=True)
-                    done += 1
-                    code = run_plain(model_name, out=folder, args=args) if name == "plain" \
-                        else run_method(model_name, name, workers, out=folder, args=args)
-                    if code in harness_run.STOPPED:  # Ctrl-C or SIGTERM: stop the benchmark
-                        return code
-                    failed += code != 0
+            for workers, name in round_runs(runs, rnd):
+                what = "plain loop" if name == "plain" else f"{name} x{workers}"
+                eta = progress.line("bench", done, total, time.perf_counter() - started,
+                                    "runs done")
+                print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}  ({eta})",
+                      flush=True)
+                done += 1
+                code = run_plain(model_name, out=folder, args=args) if name == "plain" \
+                    else run_method(model_name, name, workers, out=folder, args=args)
+                if code in harness_run.STOPPED:  # Ctrl-C or SIGTERM: stop the benchmark
+                    return code
+                failed += code != 0
     table = report([results.load(out / f"round{r + 1}") for r in range(args.rounds)],
                    workers=[w * args.nodes for w in runs])
     (out / "ratios.json").write_text(json.dumps(table, indent=2))

@@ -23,6 +23,7 @@ from harness.measure.bench import summarize
 
 STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped launcher
 
+
 def main(argv: list[str]) -> int:
     try:
         checks.used_by("harness.run", argv)
@@ -51,6 +52,7 @@ def main(argv: list[str]) -> int:
         print(f"{len(jobs) - failed} of {len(jobs)} jobs succeeded; results in "
               f"{cfgs[0].results_dir}/ (draw them: python -m harness.report)")
     return 1 if failed else 0
+
 
 if __name__ == "__main__":
     try:

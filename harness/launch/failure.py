@@ -230,15 +230,12 @@ def error_line(log: Path) -> str:
     return (tasks[:1] or flagged[-1:] or lines[-1:] or ["(empty log)"])[0][:500]
 
 
-def srun_cause(run_dir: Path, log: Path, *, code: int, workers: int) -> tuple[str, int | None]:
-    """The first cause of a failed srun step, from its run folder and its log: srun's
-    first report of a task that ended ("task 1: Exited with exit code 3") is that rank's
-    exit; a rank that beat but neither ended nor left an error was still running (hung)."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        text = ""
-    first = re.search(r"srun: error: .*task (\d+): Exited with exit code (\d+)", text)
+def srun_cause(run_dir: Path, said: str, *, code: int, workers: int) -> tuple[str, int | None]:
+    """The first cause of a failed srun step, from its run folder and what srun said
+    (`error_line`): its first report of a task that exited ("task 1: Exited with exit code
+    3") is that rank's exit; a rank that beat but neither ended nor left an error was
+    still running (hung)."""
+    first = re.search(r"srun: error: .*task (\d+): Exited with exit code (\d+)", said)
     exits = {int(first.group(1)): int(first.group(2))} if first else {}
     errors = _errors(run_dir)
     alive = [r for r in sorted(_beats(run_dir)) if r not in errors and r not in exits]
@@ -260,9 +257,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     cfg = config.load(args.overrides)
-    error, repeat = f"srun exited with code {args.exit_code}: {error_line(args.log)}", None
+    said = error_line(args.log)
+    error, repeat = f"srun exited with code {args.exit_code}: {said}", None
     if args.run_dir is not None and args.run_dir.is_dir():
-        named, repeat = srun_cause(args.run_dir, args.log, code=args.exit_code,
+        named, repeat = srun_cause(args.run_dir, said, code=args.exit_code,
                                    workers=num_workers(cfg))
         error = f"{named} ({error})"
     print(f"ddlbench: run {args.run_id} failed: {error}", file=sys.stderr)
