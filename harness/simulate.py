@@ -38,6 +38,8 @@ from harness.config import checks
 from harness.predict import calibrate
 from harness.predict.sweep import predict_sweep, write
 
+MAX_TRACES = 64  # simulate.trace: a file per configuration
+
 
 def main(argv: list[str]) -> int:
     try:
@@ -45,6 +47,11 @@ def main(argv: list[str]) -> int:
         jobs = config.sweep(argv)
         cfgs = config.load_all(jobs, simulate=True)
         sim = cfgs[0].simulate
+        if sim.trace and len(cfgs) > MAX_TRACES:
+            raise config.ConfigError(
+                f"simulate.trace=true writes a timeline per configuration, and this sweep has "
+                f"{len(cfgs)} (at most {MAX_TRACES}); choose fewer, e.g. with model=, method= "
+                "and cluster.nodes= overrides")
         ref = (calibrate.read_cells(f"simulate.reference={sim.reference}", sim.reference, cfgs)
                if sim.reference else None)
         measured = (calibrate.read_cells(f"simulate.calibrate={sim.calibrate}", sim.calibrate,

@@ -24,6 +24,9 @@ class _Pending:
         until_completed(self.work, timeout_s=self.timeout_s, what=f"the all-reduce of unit "
                         f"{self.key}")
 
+    def finished(self) -> bool:
+        return self.work.is_completed()
+
 
 class AllreduceTransport:
     """Sums a chunk over the workers' group asynchronously; `wait` leaves the average.

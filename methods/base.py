@@ -89,12 +89,15 @@ class Handle(Protocol):
     communication has run. `complete()`: return only once the communication has really
     finished (its link is idle, its memory free); what limits in-flight data (a credit)
     must use this one. Both raise the unit's communication error, and `complete()` a
-    TimeoutError after the transport's timeout.
+    TimeoutError after the transport's timeout. `finished()` asks, without blocking and
+    from any thread, whether `complete()` would return at once (run.trace's watcher).
     """
 
     def wait(self) -> None: ...
 
     def complete(self) -> None: ...
+
+    def finished(self) -> bool: ...
 
 
 class Done:
@@ -107,6 +110,9 @@ class Done:
 
     def complete(self) -> None:
         pass
+
+    def finished(self) -> bool:
+        return True
 
 
 def poll_until(done: Callable[[], bool], *, timeout_s: float, what: str) -> None:
@@ -306,3 +312,6 @@ class Fused:
 
     def complete(self) -> None:
         self.handle.complete()
+
+    def finished(self) -> bool:
+        return self.handle.finished()

@@ -78,6 +78,12 @@ class _Pending:
 
     complete = wait
 
+    def finished(self) -> bool:
+        try:
+            return self.done or self.hvd.poll(self.handle)
+        except ValueError:  # the training thread collected it meanwhile: it is done
+            return True
+
 
 class HorovodTransport:
     """Sums a chunk over every worker with hvd.allreduce_async_; `wait` leaves the average.

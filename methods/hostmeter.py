@@ -15,7 +15,8 @@ time is also kept per gradient (`hook_s`, backward order) for the per-unit figur
 plan. A meter that is `off` returns every hook unchanged, so switching it off removes
 even the clock reads (run.method_host=false: the ratio with and without it is its cost).
 Not thread-safe by design: only the training thread (and autograd's, while the training
-thread waits in backward) touches it.
+thread waits in backward) touches it. While `log` is a list (run.trace's traced
+iterations, harness/measure/timeline.py), each wait also appends (name, start, end) to it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from typing import Any
 
 
 class HostMeter:
-    __slots__ = ("on", "host_s", "wait_s", "hook_s")
+    __slots__ = ("on", "host_s", "wait_s", "hook_s", "log")
 
     def __init__(self, *, on: bool = True) -> None:
         self.on = on
+        self.log: list[tuple[str, float, float]] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -55,7 +57,10 @@ class HostMeter:
         try:
             return fn(*args)
         finally:
-            self.wait_s += perf_counter() - start
+            end = perf_counter()
+            self.wait_s += end - start
+            if self.log is not None:
+                self.log.append((getattr(fn, "__name__", "wait").strip("_"), start, end))
 
     def hook(self, fn: Callable[..., Any], index: int) -> Callable[..., Any]:
         """Gradient `index`'s hook (backward order), its time counted as host time."""

@@ -89,6 +89,9 @@ class _AllReduced:
         for work in self.works:
             until_completed(work, timeout_s=self.timeout_s, what="a partition's all-reduce")
 
+    def finished(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
 
 class PSTransport:
     """Push to and pull from the parameter servers, BytePS's way (module docstring)."""

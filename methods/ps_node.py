@@ -32,7 +32,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from methods.base import record, start_thread, wait_for
+from methods.base import happened, record, start_thread, wait_for
 from methods.layout import Part
 from methods.ps_order import BROADCAST, REDUCE, Node, NodeOrder
 from methods.ps_wire import (
@@ -150,6 +150,9 @@ class _Exchange:
     def complete(self) -> None:
         self._landed()
         _finish(self.landed)
+
+    def finished(self) -> bool:
+        return self.done.is_set() and happened(self.landed)
 
     def _landed(self) -> None:
         if not self.done.wait(self.timeout_s):

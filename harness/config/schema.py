@@ -124,6 +124,7 @@ class RunConf:
     cudnn_benchmark: bool = False  # no cuDNN autotuning
     sync_each_step: bool = False  # true: the study's clock, a drain at each step's end
     method_host: bool = True  # time the method's host work and waits (methods/hostmeter.py)
+    trace: bool = False  # after each repeat's window, trace an iteration (measure/timeline.py)
     fault: FaultConf = field(default_factory=FaultConf)
 
 
@@ -151,6 +152,7 @@ class SimulateConf:
     calibrate: str | None = None
     calibrate_gpus: list[int] | None = None
     advise: bool = False
+    trace: bool = False  # write each configuration's predicted timeline (predict/timeline.py)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import methods
 import models
 from harness.config.ranks import num_workers
 from harness.launch.rank import Context
-from harness.measure import results
+from harness.measure import results, timeline, traces
 from harness.measure.progress import Progress
 from harness.measure.results import identity
 from harness.measure.timing import PHASES, Clock, timed_window
@@ -178,11 +178,33 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
     host = (meter.host_s / iters, meter.wait_s / iters) if meter.on else (None, None)
     per_rank = _gather((window.seconds, window.iter_times, window.phases,
                         peak_memory(ctx.device), host), ctx)
+    if cfg.run.trace:
+        trace_repeat(cfg, ctx, per_rank, method, lambda clock: train_iteration(
+            model, method, optimizer, batch, clock, sync_on=sync_on))
     plan = method.plan()
     if meter.on and method.units:  # this rank's; every rank runs the same plan
         plan["hook_s_per_unit"] = meter.per_unit([u.params for u in method.units], iters)
     method.close()
     return per_rank, plan, done
+
+
+def trace_repeat(cfg: DictConfig, ctx: Context, per_rank: list, method: methods.Method,
+                 iteration) -> None:
+    """run.trace, after the window: every worker runs two more iterations, and rank 0 and
+    the repeat's slowest rank write their trace (harness/measure/timeline.py)."""
+    ctx.beat("tracing an iteration")
+    slowest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r][1]))
+    trace = timeline.record(iteration, method=method, device=ctx.device,
+                            profile=ctx.rank in (0, slowest), timeout_s=cfg.run.timeout_s)
+    if trace is None:
+        return
+    about = {**traces.about(cfg, source="measured"), "run_id": ctx.run_id,
+             "repeat": ctx.repeat, "rank": ctx.rank, "slowest_rank": slowest,
+             "device": device_name(ctx.device)}
+    name = f"{ctx.run_id}_r{ctx.repeat}_rank{ctx.rank}"
+    path = traces.write(trace, traces.trace_path(cfg.results_dir, name), about)
+    print(f"[{ctx.run_id}] repeat {ctx.repeat + 1}/{cfg.run.repeats}: trace of rank "
+          f"{ctx.rank}{' (the slowest)' if ctx.rank == slowest else ''} -> {path}", flush=True)
 
 
 def reset_peak_memory(device: torch.device) -> None:

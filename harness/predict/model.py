@@ -44,8 +44,12 @@ def _credit(scheduler: Config) -> int:
                               nbytes=scheduler.get("credit_bytes"), element_size=ELEMENT_SIZE)
 
 
-def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
-    """Simulate `simulate.iterations` iterations of one configuration; steady-state time."""
+def predict(cfg: Config, compute: profile.Compute, net: Network, *,
+            log: list | None = None) -> Prediction:
+    """Simulate `simulate.iterations` iterations of one configuration; steady-state time.
+    With a `log` list (simulate.trace, harness/predict/timeline.py), what happened when
+    is appended to it: (lane, name, start, end, args) of each phase, wait, update, unit
+    (lane "comm", from its issue to its end) and link use."""
     nodes, per_node = cfg.cluster.nodes, cfg.cluster.workers_per_node
     workers, method = num_workers(cfg), cfg.method
 
@@ -78,9 +82,11 @@ def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
         comm = Collectives(collective, float(method.horovod.cycle_time_s) if horovod else 0.0)
     credit = _credit(sched) if kind == "priority" else 0
     fusion = (sched.get("fusion_bytes") or 0) // ELEMENT_SIZE if kind == "priority" else 0
+    if log is not None:
+        _log_units(comm, units, model.names, log)
     ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
                     fusion=fusion, iterations=cfg.simulate.iterations,
-                    drain=cfg.run.sync_each_step)
+                    drain=cfg.run.sync_each_step, log=log)
     steady = ends[1:] if len(ends) > 2 else ends
     iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
     exposed = max(0.0, iteration - compute.total_s)
@@ -98,11 +104,32 @@ def predict(cfg: Config, compute: profile.Compute, net: Network) -> Prediction:
                       exposed, max(0.0, busy - exposed), len(units), bottleneck, plan)
 
 
+def _log_units(comm, units: list[Unit], names: list[str], log: list) -> None:
+    """From now on `comm` logs its links' use (lanes of their own) and each unit, on the
+    comm lane from its issue to its end, named as the plan names it."""
+    comm.log = links = []
+    issue = comm.issue
+
+    def logged(unit: int, nbytes: int, t: float) -> float:
+        done = issue(unit, nbytes, t)
+        u = units[unit]
+        log.append(("comm", f"unit {unit}", t, done, {
+            "unit": unit, "bytes": nbytes, "tensors": len(u.params), "first": names[u.params[0]],
+            "last": names[u.params[-1]], "merged_with_next": nbytes > u.numel * ELEMENT_SIZE}))
+        log.extend((lane, f"unit {i}", a, b, {"unit": i}) for lane, i, a, b in links)
+        links.clear()
+        return done
+
+    comm.issue = logged  # an instance attribute: issue_all and _priority call this one
+
+
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
-             cycle_s: float, fusion: int, iterations: int, drain: bool = False) -> list[float]:
+             cycle_s: float, fusion: int, iterations: int, drain: bool = False,
+             log: list | None = None) -> list[float]:
     """The end of each iteration (its last update), simulated one after another. `drain`
     (run.sync_each_step, the study's clock): each step ends once its communication and
-    updates are done, so none of them overlaps the next forward."""
+    updates are done, so none of them overlaps the next forward. `log`: see `predict`
+    (an iteration spans from its forward to the next one's)."""
     backward_ready = list(itertools.accumulate(compute.backward_s))
     nbytes = [u.numel * ELEMENT_SIZE for u in units]
     layers = max(compute.layer_of) + 1
@@ -116,15 +143,21 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
     update_s = compute.update_s
     keys = _keys(units) if kind == "priority" else None
     t, ends = 0.0, []
-    for _ in range(iterations):
+    for it in range(iterations):
+        begin = t
         for needs, seconds in compute.forward:
             if kind == "priority":  # the next forward waits only for its own layers
                 for layer in needs:
                     if layer_done[layer] > t:
+                        if log is not None:
+                            log.append(("compute", "wait: update", t, layer_done[layer], {}))
                         t = layer_done[layer]
             t += seconds
         ready = [t + r for r in backward_ready]
         end_of_backward = ready[-1]
+        if log is not None:
+            log += [("compute", "forward", begin, t, {}),
+                    ("compute", "backward", t, end_of_backward, {})]
         if kind == "after_backward":
             unit_ready = [end_of_backward] * len(units)
         else:
@@ -140,12 +173,21 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
             for layer in sorted(range(layers), key=updated.__getitem__):
                 free = (free if free > updated[layer] else updated[layer]) + layer_share[layer]
                 layer_done[layer] = free
+                if log is not None:
+                    log.append(("updates", f"update layer {layer}", free - layer_share[layer],
+                                free, {}))
             t = max(layer_done) if drain else end_of_backward
             ends.append(max(layer_done))
         else:
             done = comm.issue_all(nbytes, unit_ready)
             t = max([end_of_backward, *done]) + update_s
             ends.append(t)
+            if log is not None:
+                log += [("compute", "synchronize", end_of_backward, t - update_s, {}),
+                        ("compute", "update", t - update_s, t, {})]
+        if log is not None:
+            log.append(("compute", "traced iteration" if it == iterations - 1 else
+                        f"iteration {it + 1}", begin, t, {}))
     return ends
 
 

@@ -103,7 +103,8 @@ class Collectives:
     moving `nbytes`, asked once per unit and size (every iteration moves the same). With
     a `cycle_s`, an all-reduce issued at t starts no earlier than the next multiple of
     it: Horovod's background loop negotiates the tensors that became ready once per
-    cycle, then runs them.
+    cycle, then runs them. While `log` is a list (simulate.trace), each all-reduce
+    appends (lane, unit, start, end) to it.
     """
 
     def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0) -> None:
@@ -112,6 +113,7 @@ class Collectives:
         self.free = 0.0
         self.busy_s = 0.0
         self.durations: dict[tuple[int, int], float] = {}
+        self.log: list | None = None
 
     @property
     def busy(self) -> dict[str, float]:
@@ -126,6 +128,8 @@ class Collectives:
             t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
         self.free = (t if t > self.free else self.free) + duration
         self.busy_s += duration
+        if self.log is not None:
+            self.log.append(("collective", unit, self.free - duration, self.free))
         return self.free
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
@@ -146,7 +150,8 @@ class ParameterServers:
 
     With `node_reduce="root"` (methods/ps_node.py) the whole unit is reduced to the root,
     which alone copies it to the host, before its first push, and copies it back and
-    broadcasts it after its last pull: no partition of a unit overlaps the bus.
+    broadcasts it after its last pull: no partition of a unit overlaps the bus. While
+    `log` is a list (simulate.trace), each link's use appends (link, unit, start, end).
     """
 
     def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
@@ -169,6 +174,7 @@ class ParameterServers:
             f"server{s}_{way}" for s in range(servers) for way in ("in", "out")]
         self.free = [0.0] * len(self.names)
         self.busy_s = [0.0] * len(self.names)
+        self.log: list | None = None
         inter, intra = net.inter, net.intra
         # per unit, per partition: (bus seconds, node link seconds, server link seconds,
         # the server's links); on the root path the bus is the whole unit's, below
@@ -189,11 +195,13 @@ class ParameterServers:
         """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
         (The queues of the class docstring, written out: the simulator's innermost loop.)"""
         done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
-        whole = self.whole[unit]
+        whole, log = self.whole[unit], self.log
         if whole:  # root: the unit reduced and on the host before the first push
             t = (t if t > free[2] else free[2]) + whole
             free[2] = done = t
             busy[2] += whole
+            if log is not None:
+                log.append(("bus_up", unit, t - whole, t))
         for bus, node, server, s_in, s_out in self.steps[unit]:
             start = t
             if bus:  # bus up
@@ -220,10 +228,16 @@ class ParameterServers:
                 busy[3] += bus
             if pulled > done:
                 done = pulled
+            if log is not None:  # the links this partition used, each until it was done
+                log += [(self.names[i], unit, free[i] - spent, free[i])
+                        for i, spent in ((2, bus), (0, node), (s_in, server), (s_out, server),
+                                         (1, node), (3, bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
             done = (done if done > free[3] else free[3]) + whole
             free[3] = done
             busy[3] += whole
+            if log is not None:
+                log.append(("bus_down", unit, done - whole, done))
         return done
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:

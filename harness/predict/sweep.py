@@ -24,6 +24,7 @@ from harness.measure.progress import Progress
 from harness.predict import profile
 from harness.predict.model import Prediction, predict
 from harness.predict.network import Network, network
+from harness.predict.timeline import predict_traced
 
 LINES = 300  # sweeps up to this size print a line per configuration; bigger ones, progress
 CELL = ["model", "network", "world_size"]  # where methods compete: a model on N GPUs of a network
@@ -76,9 +77,18 @@ class _Sweep:
     stack: dict
 
     def span(self, bounds: tuple[int, int]) -> list[dict]:
-        return [row(cfg, predict(cfg, compute, self.networks[cfg.network.name]), compute,
-                    run_id=self.run_id, stack=self.stack)
+        return [row(cfg, self.predict(cfg, compute), compute, run_id=self.run_id,
+                    stack=self.stack)
                 for cfg, compute in zip(self.cfgs[slice(*bounds)], self.computes[slice(*bounds)])]
+
+    def predict(self, cfg: Config, compute: profile.Compute) -> Prediction:
+        net = self.networks[cfg.network.name]
+        if not cfg.simulate.trace:
+            return predict(cfg, compute, net)
+        pred, path = predict_traced(cfg, compute, net, run_id=self.run_id)
+        print(f"{cfg.model.name} {cfg.method.name} x{num_workers(cfg)} {cfg.network.name}: "
+              f"predicted timeline -> {path}", flush=True)
+        return pred
 
     def rows(self) -> list[dict]:
         n = len(self.cfgs)

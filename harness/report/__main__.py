@@ -1,6 +1,7 @@
 """Paper-style report: the study's figures and tables, computed from result rows only.
 
-Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [reference=<csv>]``
+Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [reference=<csv>]
+[timeline=<trace>]``
 
 * Input: every parquet shard under ``results_dir`` (``results.load_report``; unreadable
   shards are listed, never dropped silently) and optionally a published CSV (REF_COLUMNS).
@@ -16,6 +17,8 @@ Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [referen
   ``summary.csv``, ``best.csv``, ``ratios.csv`` (with both inputs), and ``index.html``: one
   self-contained page of this call's figures, the tables, what is missing and the rows'
   provenance. With a reference and no results, the reference alone is drawn.
+* ``timeline=<trace>`` (a run.trace or simulate.trace file) also draws one iteration's
+  timeline, measured beside predicted (harness/report/timeline.py); on the page too.
 * Missing cells and failed runs get no bar; they are noted in the figure and listed in
   summary.md's "Missing" section.
 * User errors (no data, bad reference, unknown argument, an out_dir that cannot be written):
@@ -45,8 +48,9 @@ from harness.report.data import (
 )
 from harness.report.figures import write_figures
 from harness.report.tables import gap_tables, missing_section, write_tables
+from harness.report.timeline import draw_timeline
 
-ARGS = {"results_dir": "results", "out_dir": "plots", "reference": None}
+ARGS = {"results_dir": "results", "out_dir": "plots", "reference": None, "timeline": None}
 
 
 def _no_data(results_dir: str | Path, bad: list[tuple[Path, str]], n: int) -> ReportError:
@@ -61,9 +65,16 @@ def _no_data(results_dir: str | Path, bad: list[tuple[Path, str]], n: int) -> Re
     return ReportError(f"no result rows in shards (*.parquet) under '{results_dir}'; {hint}")
 
 
-def report(results_dir: str, out_dir: str, reference: str | None = None) -> None:
+def report(results_dir: str, out_dir: str, reference: str | None = None,
+           timeline: str | None = None) -> None:
     """Load, aggregate and write every figure and table (see the module docstring)."""
     checks.output_dir("out_dir", out_dir)
+    drawn = {}
+    if timeline:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        png = draw_timeline(timeline, results_dir, out_dir)
+        _log(f"wrote {png} and .pdf")
+        drawn = {"Timeline": [png]}
     if results_dir is None or not str(results_dir).strip():
         raise ReportError("results_dir is empty; give the folder of the shards (e.g. "
                           "results_dir=results)")
@@ -72,6 +83,8 @@ def report(results_dir: str, out_dir: str, reference: str | None = None) -> None
     rows, bad, n = load_rows(results_dir)  # as written: the page shows their provenance
     frame = normalize(rows)
     if frame.empty and published is None:
+        if drawn:  # the timeline alone
+            return
         raise _no_data(results_dir, bad, n)
     _log(
         f"loaded {n} shards ({len(frame)} rows, {len(bad)} unreadable) from '{results_dir}' "
@@ -94,7 +107,7 @@ def report(results_dir: str, out_dir: str, reference: str | None = None) -> None
     gaps = gap_tables(missing, failed_runs(frame), bad, data)
     write_tables(data, out, header=f"# ddlbench report\n\n{intro}\n", published=published,
                  missing=missing_section(gaps))
-    page.write_page(out, page.render(intro=intro, cells=data, figures=figures,
+    page.write_page(out, page.render(intro=intro, cells=data, figures={**figures, **drawn},
                                      published=published, gaps=gaps, rows=rows))
 
 

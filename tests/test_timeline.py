@@ -1,0 +1,132 @@
+"""Timelines: run.trace's measured trace, simulate.trace's predicted one, the report's figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.measure import results, traces
+from harness.report.timeline import counterpart
+from tests.conftest import TINY, run_module
+
+
+def _trace_files(results_dir):
+    return sorted((results_dir / traces.FOLDER).glob("*.trace.json"))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """A traced 2-worker run, and the prediction of the same configuration beside it."""
+    results_dir = tmp_path_factory.mktemp("timeline")
+    common = ["model=bert_tiny", "method=wfbp_a2a", "cluster.workers_per_node=2",
+              f"results_dir={results_dir}"]
+    out = run_module("harness.run", *TINY, *common, "run.trace=true")
+    assert out.returncode == 0, out.stderr
+    assert run_module("harness.microbench", *common).returncode == 0
+    assert run_module("harness.simulate", *common, "simulate.trace=true").returncode == 0
+    return results_dir, out
+
+
+def _in_traced(tl: traces.Timeline, lane: str) -> list[traces.Bar]:
+    return [b for b in tl.bars if b.lane == lane and 0 <= b.start_s <= tl.length_s]
+
+
+def test_a_traced_run_writes_rank_0s_trace_with_the_plans_units(measured) -> None:
+    results_dir, out = measured
+    frame = results.load(results_dir)
+    row = frame[frame.source == "measured"].iloc[0]
+    assert row.status == "ok" and row.throughput > 0  # the window is untouched by tracing
+    files = [p for p in _trace_files(results_dir) if p.name.startswith(row.run_id)]
+    assert files[0].name == f"{row.run_id}_r0_rank0.trace.json" and len(files) <= 2
+    assert "trace of rank 0" in out.stdout
+    raw = json.loads(files[0].read_text())  # a Chrome trace: the profiler's events and ours
+    assert any(e.get("cat") == "cpu_op" for e in raw["traceEvents"])
+    tl = traces.read(files[0])
+    assert tl.lanes == ["compute", "comm"]
+    assert (tl.about["source"], tl.about["method"], tl.about["workers"]) == (
+        "measured", "wfbp_a2a", 2)
+    phases = [b.name for b in _in_traced(tl, "compute") if not b.name.startswith("wait")]
+    assert phases[:5] == ["traced iteration", "forward", "backward", "synchronize", "update"]
+    # every unit of the plan once in the traced iteration, with its bytes, in issue order
+    plan = json.loads(row.plan_json)["units"]
+    units = _in_traced(tl, "comm")
+    assert sorted(b.args["unit"] for b in units) == list(range(len(plan)))
+    for b in units:
+        start, end = plan[b.args["unit"]]
+        assert b.args["bytes"] == (end - start) * 4 and b.args["tensors"] >= 1
+        assert b.end_s >= b.start_s and not b.args.get("unfinished")
+    # WFBP: the output side's first unit goes during backward, before it ends
+    backward = next(b for b in _in_traced(tl, "compute") if b.name == "backward")
+    first = next(b for b in units if b.args["unit"] == 0)
+    assert first.start_s < backward.end_s
+
+
+def test_the_report_draws_measured_beside_predicted(measured, tmp_path) -> None:
+    results_dir, _ = measured
+    measured = next(p for p in _trace_files(results_dir) if "_rank0." in p.name)
+    plots = tmp_path / "plots"
+    out = run_module("harness.report", f"results_dir={results_dir}", f"out_dir={plots}",
+                     f"timeline={measured}")
+    assert out.returncode == 0, out.stderr
+    png = plots / "timeline_bert_tiny_wfbp_a2a_w2_loopback.png"
+    assert png.stat().st_size > 10_000 and png.with_suffix(".pdf").exists()
+    assert f"wrote {png}" in out.stderr
+    other = counterpart(traces.read(measured), results_dir)  # drawn beside it
+    assert other is not None and traces.read(other).about["source"] == "simulated"
+    page = (plots / "index.html").read_text()
+    assert "Timeline" in page and page.count("data:image/png;base64") >= 2
+
+
+def test_bytescheduler_traces_its_pieces_from_its_own_thread(results_dir) -> None:
+    out = run_module("harness.run", *TINY, "model=bert_tiny", "method=bytescheduler_a2a",
+                     "cluster.workers_per_node=2", "run.trace=true",
+                     f"results_dir={results_dir}")
+    assert out.returncode == 0, out.stderr
+    tl = traces.read(_trace_files(results_dir)[0])
+    units = [b for b in tl.bars if b.lane == "comm"]
+    assert units and all(b.end_s >= b.start_s for b in units)
+    assert {"unit", "bytes", "tensors", "first", "last"} <= set(units[0].args)
+
+
+@pytest.mark.parametrize(("method", "lanes"), [
+    ("wfbp_a2a", ["compute", "comm", "collective"]),
+    ("wfbp_ps", ["compute", "comm", "node_up", "node_down", "bus_up", "bus_down",
+                 "server0_in", "server0_out", "server1_in", "server1_out"]),
+    ("bytescheduler_a2a", ["compute", "comm", "updates", "collective"]),
+])
+def test_a_predicted_trace_has_a_lane_per_link_and_server(method, lanes, tmp_path) -> None:
+    out = run_module("harness.simulate", "model=bert_base", f"method={method}",
+                     "network=eth10_tcp", "cluster.nodes=2", "cluster.workers_per_node=4",
+                     "simulate.compute=rtx2080ti", "simulate.trace=true",
+                     f"results_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    [path] = _trace_files(tmp_path)
+    assert f"predicted timeline -> {path}" in out.stdout
+    tl = traces.read(path)
+    assert tl.lanes == lanes
+    assert tl.about["source"] == "simulated" and tl.about["workers"] == 8
+    # the traced iteration is the steady-state one the prediction reports
+    assert tl.length_s == pytest.approx(tl.about["iteration_s"], rel=0.01)
+    units = {b.args["unit"] for b in _in_traced(tl, "comm")}
+    assert units and all(b.args["unit"] in units or b.start_s < 0
+                         for b in tl.bars if b.lane not in ("compute", "updates")
+                         and 0 <= b.start_s <= tl.length_s)
+
+
+def test_too_many_configurations_to_trace_is_refused(tmp_path) -> None:
+    out = run_module("harness.simulate", "experiment=paper", "simulate.compute=rtx2080ti",
+                     "simulate.trace=true", f"results_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "simulate.trace=true writes a timeline per configuration" in out.stderr
+    assert not (tmp_path / traces.FOLDER).exists()
+
+
+def test_the_report_names_a_file_that_is_not_a_trace(tmp_path) -> None:
+    bogus = tmp_path / "x.json"
+    bogus.write_text("{}")
+    out = run_module("harness.report", f"results_dir={tmp_path}", f"timeline={bogus}",
+                     f"out_dir={tmp_path / 'plots'}")
+    assert out.returncode == 2
+    assert f"timeline={bogus} cannot be read as a trace" in out.stderr
+    assert "run.trace=true" in out.stderr
