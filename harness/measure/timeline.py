@@ -50,7 +50,7 @@ class _Units:
         self.units = getattr(method, "units", [])
         buffer = getattr(method, "buffer", None)
         self.names = buffer.names if buffer is not None else []
-        self.events: list[dict] = []  # finished: name, issue, done, args
+        self.events: list[dict] = []  # finished units: issue, done, args
         self.pending: list[tuple[Any, float, dict]] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
