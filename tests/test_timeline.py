@@ -73,7 +73,7 @@ def test_the_report_draws_measured_beside_predicted(measured, tmp_path) -> None:
     assert png.stat().st_size > 10_000 and png.with_suffix(".pdf").exists()
     assert f"wrote {png}" in out.stderr
     other = counterpart(traces.read(measured), results_dir)  # drawn beside it
-    assert other is not None and traces.read(other).about["source"] == "simulated"
+    assert other is not None and other.about["source"] == "simulated"
     page = (plots / "index.html").read_text()
     assert "Timeline" in page and page.count("data:image/png;base64") >= 2
 
@@ -130,3 +130,4 @@ def test_the_report_names_a_file_that_is_not_a_trace(tmp_path) -> None:
     assert out.returncode == 2
     assert f"timeline={bogus} cannot be read as a trace" in out.stderr
     assert "run.trace=true" in out.stderr
+    assert not (tmp_path / "plots").exists()  # a user error writes nothing

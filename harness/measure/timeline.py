@@ -56,13 +56,14 @@ class _Units:
         self.stop = threading.Event()
         self.watcher = None
         if self.transport is not None:
+            self.issue = self.transport.start
             self.transport.start = self._start  # shadows the method for these iterations
             self.watcher = start_thread(self._watch, name="ddlbench-trace-watcher",
                                         device=device, stream=side_stream(device))
 
     def _start(self, chunk: torch.Tensor, *, key: int):
         issued = time.perf_counter()
-        handle = type(self.transport).start(self.transport, chunk, key=key)
+        handle = self.issue(chunk, key=key)
         unit = self.units[key] if key < len(self.units) else None
         args = {"unit": key, "bytes": chunk.numel() * chunk.element_size()}
         if unit is not None:
@@ -107,10 +108,19 @@ def record(iteration: Callable[[Clock], None], *, method: Any, device: torch.dev
     """Run the lead-in and the traced iteration (`iteration(clock)` marks a host clock
     after forward, backward and synchronize); on a rank that `profile`s, return the
     merged trace, else None."""
-    if not profile:
+    spans: list[list[float]] = []  # per iteration, host times: start, phases' ends, end
+
+    def lead_in_and_traced() -> None:
         for _ in range(2):
-            iteration(Clock(HOST))
+            clock = Clock(HOST)
+            clock.mark()
+            iteration(clock)
+            clock.mark()
+            spans.append(clock.moments)
         method.drain()
+
+    if not profile:
+        lead_in_and_traced()
         return None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -120,18 +130,11 @@ def record(iteration: Callable[[Clock], None], *, method: Any, device: torch.dev
     units = _Units(method, device)
     waits: list[tuple[str, float, float]] = []
     method.meter.log = waits
-    spans: list[list[float]] = []
     try:
         with torch.profiler.profile(activities=activities) as prof:
             with torch.profiler.record_function(MARKER):
                 origin = time.perf_counter()
-                for _ in range(2):
-                    clock = Clock(HOST)
-                    clock.mark()
-                    iteration(clock)
-                    clock.mark()
-                    spans.append(clock.moments)
-                method.drain()
+                lead_in_and_traced()
     finally:
         method.meter.log = None
         units.close(timeout_s)

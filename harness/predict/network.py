@@ -201,7 +201,7 @@ class ParameterServers:
             free[2] = done = t
             busy[2] += whole
             if log is not None:
-                log.append(("bus_up", unit, t - whole, t))
+                log.append((self.names[2], unit, t - whole, t))
         for bus, node, server, s_in, s_out in self.steps[unit]:
             start = t
             if bus:  # bus up
@@ -237,7 +237,7 @@ class ParameterServers:
             free[3] = done
             busy[3] += whole
             if log is not None:
-                log.append(("bus_down", unit, done - whole, done))
+                log.append((self.names[3], unit, done - whole, done))
         return done
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:

@@ -69,12 +69,6 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
            timeline: str | None = None) -> None:
     """Load, aggregate and write every figure and table (see the module docstring)."""
     checks.output_dir("out_dir", out_dir)
-    drawn = {}
-    if timeline:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        png = draw_timeline(timeline, results_dir, out_dir)
-        _log(f"wrote {png} and .pdf")
-        drawn = {"Timeline": [png]}
     if results_dir is None or not str(results_dir).strip():
         raise ReportError("results_dir is empty; give the folder of the shards (e.g. "
                           "results_dir=results)")
@@ -82,6 +76,11 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
     start = time.perf_counter()
     rows, bad, n = load_rows(results_dir)  # as written: the page shows their provenance
     frame = normalize(rows)
+    drawn = {}
+    if timeline:  # after every input check: a user error writes nothing
+        png = draw_timeline(timeline, results_dir, out_dir)
+        _log(f"wrote {png} and .pdf")
+        drawn = {"Timeline": [png]}
     if frame.empty and published is None:
         if drawn:  # the timeline alone
             return

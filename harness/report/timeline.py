@@ -39,19 +39,20 @@ def _read(path: str | Path) -> traces.Timeline:
         raise ReportError(f"timeline={path} cannot be read as a trace: {exc}") from exc
 
 
-def counterpart(timeline: traces.Timeline, results_dir: str | Path) -> Path | None:
+def counterpart(timeline: traces.Timeline, results_dir: str | Path) -> traces.Timeline | None:
     """The newest trace of the same configuration from the other source, if any."""
     other = {"measured": "simulated"}.get(timeline.about["source"], "measured")
     found = []
     for path in Path(results_dir, traces.FOLDER).glob("*.trace.json"):
         try:
-            about = traces.read(path).about
+            candidate = traces.read(path)
         except (OSError, ValueError, KeyError):
             continue
+        about = candidate.about
         if about["source"] == other and all(about.get(k) == timeline.about.get(k)
                                             for k in traces.KEY):
-            found.append(path)
-    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+            found.append((path.stat().st_mtime, candidate))
+    return max(found, key=lambda found: found[0], default=(0, None))[1]
 
 
 def _rows(bars: list[traces.Bar]) -> list[int]:
@@ -123,7 +124,7 @@ def draw_timeline(path: str | Path, results_dir: str | Path, out_dir: str | Path
     """The timeline figure of the trace at `path` and its counterpart; returns the PNG."""
     first = _read(path)
     other = counterpart(first, results_dir)
-    shown = [first] + ([_read(other)] if other is not None else [])
+    shown = [first] + ([other] if other is not None else [])
     shown.sort(key=lambda tl: tl.about["source"] != "measured")
     heights = [len(tl.lanes) for tl in shown]
     fig, axes = plt.subplots(len(shown), 1, figsize=(11, 1.2 + 0.55 * sum(heights)),
@@ -139,6 +140,7 @@ def draw_timeline(path: str | Path, results_dir: str | Path, out_dir: str | Path
     keys.append(Patch(facecolor="none", edgecolor=WAIT_COLOR, hatch="////", label="wait"))
     fig.legend(handles=keys, loc="lower center", ncol=len(keys), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     stem = Path(out_dir) / f"timeline_{a['model']}_{a['method']}_w{a['workers']}_{a['network']}"
     fig.savefig(f"{stem}.png", dpi=130)
     fig.savefig(f"{stem}.pdf")
