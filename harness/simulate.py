@@ -2,11 +2,13 @@
 
 A discrete-event model of training iterations, per configuration:
 
-- compute: per-tensor forward and backward times (harness.predict.profile): FLOPs scaled
-  to a GPU of `simulate.gpus` (calibrated only by its 1-GPU throughput; counted once and
+- compute: per-tensor forward and backward times (harness.predict.profile): FLOPs and
+  the bytes of memory-bound operations, scaled to a GPU of `simulate.gpus` (calibrated
+  only by its 1-GPU throughput and its spec sheet's FLOP/s per byte/s; counted once and
   cached, so a warm run imports no torch), or measured here;
 - the method's own plan (harness.predict.plans.plan_of: the planners of methods.plan, the
-  MG-WFBP merge from the backward times and a fitted alpha/beta, ByteScheduler's
+  MG-WFBP merge from the backward times and a fitted alpha/beta or the study's table
+  (`simulate.mgwfbp_cost`, experiment=paper), ByteScheduler's
   slices, and the PS partitions, keys and servers of methods.layout) and its
   scheduler's semantics: after backward, on ready, or a priority queue under a credit
   (issuing while any is left) with per-layer updates that the next forward pass waits

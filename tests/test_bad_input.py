@@ -167,6 +167,10 @@ ROWS = [
      ["network.ps_host_copy='abc'", "true or false"]),
     ("harness.simulate", [*STUDY, "simulate.gpus.rtx2080ti.resnet50=abc"],
      ["simulate.gpus.rtx2080ti.resnet50='abc'", "samples/s"]),
+    ("harness.simulate", [*STUDY, "simulate.flop_per_byte.rtx2080ti=0"],
+     ["simulate.flop_per_byte.rtx2080ti=0 is invalid", "peak FP32 FLOP/s"]),
+    ("harness.simulate", [*STUDY, "method=mgwfbp", "simulate.mgwfbp_cost=table"],
+     ["simulate.mgwfbp_cost='table' is invalid", "fitted, study"]),
     # misspelled keys and choices
     ("harness.run", ["run.timed_iter=5"], ["run.timed_iter", "did you mean run.timed_iters?"]),
     ("harness.run", ["+run.timed_iter=5"], ["did you mean run.timed_iters?"]),

@@ -143,6 +143,8 @@ def test_fitted_on_one_node_the_study_is_predicted_on_the_others(tmp_path) -> No
     assert len(frame) == 3 * 87
     plans = frame.plan_json.map(json.loads)
     assert all(set(p["calibration"]) == {t.name for t in calibrate.TERMS} for p in plans)
+    # MG-WFBP merged on the study's table (experiment=paper sets simulate.mgwfbp_cost)
+    assert set(plans[frame.method == "mgwfbp"].map(lambda p: p["cost"])) == {"study"}
     # a slower network never predicts more throughput than a faster one
     cell = frame.pivot_table(index=["model", "method", "world_size"], columns="network",
                              values="throughput")

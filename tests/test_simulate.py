@@ -179,6 +179,50 @@ def test_mgwfbp_cost_study_reads_the_studys_table(network_name, gpus, alpha, bet
     assert fitted.plan["cost"] == "fitted" and fitted.plan["alpha_s"] != alpha
 
 
+def test_simulate_mgwfbp_cost_sets_the_planners_cost_of_mgwfbp_alone() -> None:
+    shape = ("cluster.nodes=4", "cluster.workers_per_node=4", "run.force=true")
+    study = cfg("mgwfbp", *shape, "simulate.mgwfbp_cost=study")
+    assert study.method.planner.cost == "study"
+    pred = model.predict(study, compute([8192] * 6, [0.01] * 6), net(name="ib100_rdma"))
+    assert (pred.plan["alpha_s"], pred.plan["beta_s_per_byte"]) == (7.075e-4, 4.059e-10)
+    assert cfg("mgwfbp", *shape, "method.planner.cost=study",
+               "simulate.mgwfbp_cost=fitted").method.planner.cost == "fitted"
+    assert "cost" not in cfg("wfbp_a2a", *shape, "simulate.mgwfbp_cost=study").method.planner
+    # a run reads the method's own cost
+    assert config.load(["method=mgwfbp", "simulate.mgwfbp_cost=study"]).method.planner.cost \
+        == "fitted"
+
+
+def test_the_plan_viewer_says_which_cost_mgwfbp_merged_on() -> None:
+    shape = ["model=resnet50", "method=mgwfbp", "network=ib100_rdma", "cluster.nodes=8",
+             "cluster.workers_per_node=4", "simulate.compute=rtx2080ti"]
+    study, fitted = (run_module("harness.plan", *shape, f"simulate.mgwfbp_cost={cost}")
+                     for cost in ("study", "fitted"))
+    assert study.returncode == fitted.returncode == 0, study.stderr + fitted.stderr
+    line = re.search(r"^planner: mgwfbp, (\d+) groups merged on (.*)$", study.stdout, re.M)
+    assert line and "alpha=0.000406 s, beta=4.91e-10 s/byte (cost=study: the study's table" \
+        in line.group(2), study.stdout
+    assert "(cost=fitted: fitted on the modelled all-reduce)" in fitted.stdout
+
+
+def test_counted_work_weighs_the_bytes_of_operations_without_flops() -> None:
+    # a GPU runs normalizations, activations and the optimizer at its memory's speed: with
+    # flop_per_byte 0 they cost nothing, with the GPU's balance they cost their bytes
+    from harness.predict import trace
+
+    build = {"arch": "resnet18", "image_size": 32, "num_classes": 10}
+    sgd = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}
+    flops, work = (trace.count_work("vision", build, batch=8, optimizer=sgd, flop_per_byte=b)
+                   for b in (0.0, 20.0))
+    assert flops["update_s"] == 0.0 < work["update_s"]
+    param_bytes = 4 * sum(flops["sizes"])  # at least each parameter read and written and
+    assert work["update_s"] >= 20.0 * 3 * param_bytes  # its gradient read
+    norms = [i for i, n in enumerate(flops["sizes"]) if n in (64, 128, 256, 512)]  # BN
+    assert sum(flops["backward_s"][i] for i in norms) == 0.0
+    assert sum(work["backward_s"][i] for i in norms) > 0.0
+    assert sum(work["backward_s"]) > sum(flops["backward_s"])
+
+
 def test_mgwfbp_cost_study_without_the_worker_count_is_refused() -> None:
     with pytest.raises(config.ConfigError, match="2, 4, 8, 16, 32, 64 workers, not 3"):
         cfg("mgwfbp", "cluster.workers_per_node=3", "method.planner.cost=study")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import config, submit
+from harness.config import engine as horovod
 from harness.launch import slurm as arrays
 from harness.measure import results
 from tests import slurm_cluster
@@ -113,11 +114,17 @@ def test_a_rank_that_dies_under_srun_leaves_a_failed_row(slurm, tmp_path) -> Non
 
 
 @pytest.mark.slurm
-def test_a_rank_that_freezes_under_srun_is_the_one_blamed(slurm, tmp_path) -> None:
-    # rank 1 hangs in the second repeat: rank 0 times out waiting for it, and the failed row
-    # must name rank 1, not rank 0's timeout
+@pytest.mark.parametrize("engine", [
+    "native",
+    pytest.param("horovod", marks=pytest.mark.skipif(
+        horovod.problem(device="cpu") is not None, reason=f"{horovod.problem(device='cpu')}")),
+])
+def test_a_rank_that_freezes_under_srun_is_the_one_blamed(slurm, tmp_path, engine: str) -> None:
+    # rank 1 hangs in the second repeat: rank 0 times out waiting for it (inside Horovod's
+    # background thread on engine=horovod), and the failed row must name rank 1, not rank 0
     res, jobs = tmp_path / "results", tmp_path / "jobs"
-    out = _submit(slurm, "model=bert_tiny", "method=bsp_a2a", "cluster.workers_per_node=2",
+    out = _submit(slurm, "model=bert_tiny", "method=bsp_a2a", f"engine={engine}",
+                  "cluster.workers_per_node=2",
                   *TINY, "run.repeats=2", "run.fault.rank=1", "run.fault.at_iter=4",
                   "run.fault.kind=hang", "run.timeout_s=20", f"results_dir={res}",
                   f"cluster.slurm.jobs_dir={jobs}", f"cluster.slurm.partition={slurm.partition}")

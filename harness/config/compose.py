@@ -29,7 +29,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from harness.config import cache, checks, diagnose
 from harness.config.frozen import Frozen, assign, freeze, select, thaw
-from harness.config.rules import validate
+from harness.config.rules import as_simulated, validate
 from harness.config.schema import CONF_DIR, GROUPS, BenchConf, ConfigError, first_line
 
 
@@ -262,6 +262,7 @@ def _load_frozen(jobs: list[list[str]]) -> list[Frozen]:
                 cfg = _frozen_slowly(context, choices, plain)
                 break
             cfg = assign(cfg, *typed)
+        cfg = as_simulated(cfg)
         validate(cfg, simulate=True, checked=checked)
         out.append(cfg)
     return out

@@ -13,7 +13,7 @@ import math
 from omegaconf import DictConfig
 
 from harness.config import checks
-from harness.config.frozen import Config, select, thaw
+from harness.config.frozen import Config, Frozen, assign, select, thaw
 from harness.config.ranks import num_workers
 from harness.config.schema import OPTIMIZERS, ConfigError, first_line
 
@@ -128,6 +128,20 @@ def _check_servers(method: Config, cluster: Config) -> None:
                           "set cluster.servers >= 1, or null for one per node")
 
 
+def as_simulated(cfg: Frozen) -> Frozen:
+    """`cfg` as the simulator reads it: MG-WFBP planning with `simulate.mgwfbp_cost` when
+    that is set (experiment=paper: the study's table, as its merges were)."""
+    from methods.costmodel import COSTS
+
+    cost = cfg.simulate.mgwfbp_cost
+    if cost is None:
+        return cfg
+    _one_of("simulate.mgwfbp_cost", cost, (*COSTS, "null (method.planner.cost)"))
+    if cfg.method.planner.get("name") != "mgwfbp":
+        return cfg
+    return assign(cfg, "method.planner.cost", cost)
+
+
 def _check_study_cost(cfg: Config) -> None:
     """MG-WFBP's cost=study has the study's table for this many workers."""
     if cfg.method.planner.get("cost") != "study":
@@ -175,3 +189,9 @@ def _check_simulate(cfg: Config) -> None:
     if isinstance(throughput, bool) or not isinstance(throughput, (int, float)) or throughput <= 0:
         raise ConfigError(f"simulate.gpus.{sim.compute}.{cfg.model.name}={throughput!r} is "
                           "invalid; it must be a number of samples/s > 0")
+    balance = sim.flop_per_byte.get(sim.compute)
+    if (isinstance(balance, bool) or not isinstance(balance, (int, float))
+            or not 0 < balance < math.inf):
+        raise ConfigError(f"simulate.flop_per_byte.{sim.compute}={balance!r} is invalid; give "
+                          f"the GPU's peak FP32 FLOP/s over its memory's bytes/s, e.g. "
+                          f"simulate.flop_per_byte.{sim.compute}=21.8 (13.45e12 / 616e9)")

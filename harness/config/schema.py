@@ -146,6 +146,8 @@ class MicrobenchConf:
 class SimulateConf:
     compute: str = "measured"   # measured (profile this machine) | a GPU named in `gpus`
     gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}
+    flop_per_byte: dict[str, Any] = field(default_factory=dict)  # GPU -> FLOP/s per byte/s
+    mgwfbp_cost: str | None = None  # MG-WFBP's cost when simulated; null: method.planner.cost
     profile_iters: int = 5
     iterations: int = 6
     reference: str | None = None

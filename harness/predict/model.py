@@ -19,10 +19,8 @@ from harness.predict.network import (
     Network,
     ParameterServers,
     allreduce_s,
-    fitted_cost,
 )
-from harness.predict.plans import Tensors, plan_of, tensors
-from methods.costmodel import study_cost
+from harness.predict.plans import Tensors, mgwfbp_cost, plan_of, tensors
 from methods.plan import Unit, credit_in_elements, fuse_pieces
 
 # -- one configuration -------------------------------------------------------------------
@@ -56,9 +54,7 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
     def collective(_unit: int, nbytes: int) -> float:
         return allreduce_s(net, nbytes, nodes=nodes, per_node=per_node)
 
-    cost = fitted_cost(net, nodes=nodes, per_node=per_node)
-    if method.planner.get("cost") == "study":  # MG-WFBP's merges on the study's own table
-        cost = study_cost(net.name, workers)
+    cost = mgwfbp_cost(cfg, net)
     model = tensors(cfg.model)
     if model.sizes != compute.sizes:  # a hand-made compute (tests): tensors named by index
         model = Tensors([str(i) for i in range(len(compute.sizes))], compute.sizes,

@@ -15,10 +15,10 @@ from harness.config.cache import cached
 from harness.config.frozen import Config, thaw
 from harness.config.ranks import num_servers, num_workers
 from harness.predict import profile
-from harness.predict.network import fitted_cost, network
+from harness.predict.network import Network, fitted_cost, network
 from methods import layout
 from methods import plan as plans
-from methods.costmodel import Cost
+from methods.costmodel import Cost, study_cost
 from methods.layout import PARTITION_BYTES, plan_summary
 from methods.plan import Unit
 
@@ -130,9 +130,16 @@ def mgwfbp_inputs(cfg: Config) -> tuple[list[float] | None, Cost | None]:
         net = network(cfg)
     except config.ConfigError:
         return None, None
-    compute = profile.ComputeProfiles()(cfg)
-    return compute.backward_s, fitted_cost(net, nodes=cfg.cluster.nodes,
-                                                    per_node=cfg.cluster.workers_per_node)
+    return profile.ComputeProfiles()(cfg).backward_s, mgwfbp_cost(cfg, net)
+
+
+def mgwfbp_cost(cfg: Config, net: Network) -> Cost:
+    """The all-reduce cost MG-WFBP merges with: the study's table for the network's family
+    and worker count (method.planner.cost=study), else alpha/beta fitted on `net`'s
+    modelled all-reduce."""
+    if cfg.method.planner.get("cost") == "study":
+        return study_cost(net.name, num_workers(cfg))
+    return fitted_cost(net, nodes=cfg.cluster.nodes, per_node=cfg.cluster.workers_per_node)
 
 
 def describe(cfg: Config, model: Tensors, plan: Plan) -> dict[str, Any]:
@@ -178,6 +185,13 @@ def render(data: dict[str, Any]) -> str:
              f"{len(data['units'])} units, in the order they are issued"
              + (" (the priority scheduler reorders ready ones: lowest priority number first)"
                 if data["scheduler"].get("name") == "priority" else ""), ""]
+    planner = data["planner"]
+    if planner.get("planner") == "mgwfbp" and planner.get("groups") is not None:
+        source = ("the study's table for this worker count and network family"
+                  if planner["cost"] == "study" else "fitted on the modelled all-reduce")
+        lines.insert(3, f"planner: mgwfbp, {len(planner['groups'])} groups merged on alpha="
+                        f"{planner['alpha_s']:.3g} s, beta={planner['beta_s_per_byte']:.3g} "
+                        f"s/byte (cost={planner['cost']}: {source})")
     lines.append(f"{'unit':>5}  {'elements':>11}  {'bytes':>12}  {'prio':>4}  tensors"
                  + ("  -> partitions key@server" if "ps" in data else ""))
     for u in data["units"]:

@@ -4,18 +4,21 @@ The steps of an iteration (harness/predict/trace.py traces them): each
 parameter-owning module's forward, the moment each gradient is ready during backward,
 and the optimizer step, timed by one of two clocks:
 
-- `counted`: floating-point operations, counted on the meta device (no memory, no
-  compute), scaled so the whole iteration takes `local_batch / throughput` seconds: a
-  named GPU calibrated by nothing but its 1-GPU throughput on that model. The
-  optimizer step is inside that time, spread over the steps by their FLOPs.
+- `counted`: each step's work, counted on the meta device (no memory, no compute):
+  its floating-point operations, plus the bytes moved by the operations that have none
+  (element-wise, normalizations, softmax, embeddings, the optimizer step) times the
+  named GPU's `simulate.flop_per_byte` (its peak FLOP/s per byte/s of memory), the
+  iteration scaled so that it takes `local_batch / throughput` seconds: the GPU
+  calibrated by nothing but its 1-GPU throughput on that model and its spec sheet.
 - measured: wall-clock time on this machine's device, the median of a few iterations,
   in as many processes at once as a local run has workers, so the slowdown of sharing
   this machine's cores is in the profile.
 
 Counting BERT-Large takes seconds, so counted traces are kept in
 `$XDG_CACHE_HOME/ddlbench/` (default ~/.cache/ddlbench/), keyed by the model's
-family, build arguments, the model code and the torch and transformers/torchvision
-versions. torch is imported only to count a model the cache lacks, or to measure.
+family, build arguments, batch and optimizer, the GPU's FLOP/s per byte/s, the model and
+counting code and the torch and transformers/torchvision versions. torch is imported
+only to count a model the cache lacks, or to measure.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness import config
-from harness.config.cache import cached
+from harness.config.cache import MODELS, cached
 from harness.config.frozen import Config, thaw
 from harness.config.ranks import num_servers, num_workers, torch_threads
 from harness.predict import trace
@@ -63,18 +66,23 @@ class Compute:
                        self.update_s * factor, self.source)
 
 
-def counted(model_cfg: Config, *, throughput: float, gpu: str) -> Compute:
-    """Steps timed by their FLOPs, the iteration scaled to `local_batch / throughput` s."""
-    flops = _flops(model_cfg)
-    scaled = flops.scaled(model_cfg.local_batch_size / throughput / flops.total_s)
+def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: float
+            ) -> Compute:
+    """Steps timed by their counted work, the iteration scaled to `local_batch / throughput` s."""
+    work = _work(model_cfg, flop_per_byte)
+    scaled = work.scaled(model_cfg.local_batch_size / throughput / work.total_s)
     return dataclasses.replace(scaled, source=f"counted:{gpu}")
 
 
-def _flops(model_cfg: Config) -> Compute:
-    """The iteration of one sample in FLOPs per step (from the cache when there)."""
-    build = thaw(model_cfg.build)
-    return Compute.of(cached("flops", [model_cfg.family, build],
-                             lambda: trace.count_flops(model_cfg.family, build)))
+def _work(model_cfg: Config, flop_per_byte: float) -> Compute:
+    """The iteration's work per step, in FLOPs (from the cache when there)."""
+    build, optimizer = thaw(model_cfg.build), thaw(model_cfg.optimizer)
+    key = [model_cfg.family, build, model_cfg.local_batch_size, optimizer, flop_per_byte]
+    return Compute.of(cached(
+        "work", key, lambda: trace.count_work(
+            model_cfg.family, build, batch=model_cfg.local_batch_size, optimizer=optimizer,
+            flop_per_byte=flop_per_byte),
+        sources=(MODELS, ("harness/predict", "trace.py"), ("harness/measure", "bench.py"))))
 
 
 class ComputeProfiles:
@@ -89,7 +97,8 @@ class ComputeProfiles:
             key = (config.to_json(model), sim.compute)
             if key not in self.cache:
                 self.cache[key] = counted(
-                    model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute)
+                    model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute,
+                    flop_per_byte=sim.flop_per_byte[sim.compute])
             return self.cache[key]
         threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
         # every worker of a local or emulated cluster runs on this machine: profile as many

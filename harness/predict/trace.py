@@ -4,8 +4,9 @@ behind harness/predict/profile.py's compute, made only where no cached one will 
 One trace gives the steps of an iteration: each parameter-owning module's forward (in
 execution order, with the layers its forward needs), the moment each gradient is ready
 during backward (backward order, as the methods lay gradients out) and the optimizer
-step, stamped by a clock: FLOPs counted on the meta device (`count_flops`, a cache
-miss), or wall-clock time on this machine's device (`measure`). Each returns the fields
+step, stamped by a clock: work counted on the meta device (`count_work`, a cache
+miss: FLOPs, plus the bytes that operations without FLOPs move, weighed by a GPU's
+FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`). Each returns the fields
 of profile.Compute as a dict (what the cache keeps). torch, the models and the methods'
 torch side are imported inside the functions, so the predictor imports this module
 without them.
@@ -78,20 +79,57 @@ def _steps(model: nn.Module, ends: list, ready: list[float], marks: list[float],
             "update_s": (step_end - backward_end) * scale, "source": source}
 
 
-def count_flops(family: str, build: Mapping[str, Any]) -> dict[str, Any]:
-    """The iteration of one sample in FLOPs per step, counted on the meta device."""
+# operations that move no data: views, fresh allocations, aliases
+_FREE = ("aten.empty", "aten.new_empty", "aten._unsafe_view", "aten.detach", "aten.alias",
+         "aten.lift")
+
+
+def count_work(family: str, build: Mapping[str, Any], *, batch: int,
+               optimizer: Mapping[str, Any], flop_per_byte: float) -> dict[str, Any]:
+    """A steady-state iteration of a `batch` (the optimizer's state made by one before it)
+    counted on the meta device, each step's work in FLOPs plus `flop_per_byte` times the
+    bytes read and written by the operations that count no FLOPs: element-wise ones,
+    normalizations, softmax, dropout, embeddings, the optimizer's step. A GPU runs those at
+    its memory's speed, the matrix products at its arithmetic's, so `flop_per_byte` is its
+    peak FLOP/s over its memory's bytes/s."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import FlopCounterMode
 
     import models
+    from harness.config.frozen import freeze
+    from harness.measure.bench import make_optimizer
+
+    class MemoryBytes(TorchDispatchMode):
+        """Bytes of each distinct tensor in and out of the operations that add no FLOPs."""
+
+        def __init__(self, flops: FlopCounterMode) -> None:
+            super().__init__()
+            self.flops, self.total = flops, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = self.flops.get_total_flops()
+            out = func(*args, **(kwargs or {}))
+            if (self.flops.get_total_flops() == before and not func.is_view
+                    and not str(func).startswith(_FREE)):
+                ins = {id(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                outs = {id(t): t for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+                self.total += sum(t.nbytes for t in [*ins.values(), *outs.values()])
+            return out
 
     with torch.device("meta"):
         model = models.family_class(family)(**build)
-        batch = model.make_batch(1, None)  # FLOPs grow linearly with the batch
+        data = model.make_batch(batch, None)
+        opt = make_optimizer(model, freeze(optimizer))
+        model(data).backward()  # the optimizer's state, made once
+        opt.step()
+        opt.zero_grad(set_to_none=False)
     counter = FlopCounterMode(display=False)
-    with counter:
-        trace = _trace(model, batch, lambda: float(counter.get_total_flops()))
-    return _steps(model, *trace, scale=1.0, source="flops")
+    with counter, MemoryBytes(counter) as moved:
+        trace = _trace(model, data,
+                       lambda: counter.get_total_flops() + flop_per_byte * moved.total, opt)
+    return _steps(model, *trace, scale=1.0, source="counted")
 
 
 def measure(model_cfg: Mapping[str, Any], *, processes: int, threads: int, iters: int,
