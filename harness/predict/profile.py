@@ -75,7 +75,8 @@ def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: fl
 
 
 def _work(model_cfg: Config, flop_per_byte: float) -> Compute:
-    """The iteration's work per step, in FLOPs (from the cache when there)."""
+    """The iteration's work per step in FLOPs, its memory-bound bytes counted as
+    `flop_per_byte` FLOPs each (from the cache when there)."""
     build, optimizer = thaw(model_cfg.build), thaw(model_cfg.optimizer)
     key = [model_cfg.family, build, model_cfg.local_batch_size, optimizer, flop_per_byte]
     return Compute.of(cached(
@@ -94,7 +95,7 @@ class ComputeProfiles:
     def __call__(self, cfg: Config) -> Compute:
         sim, model = cfg.simulate, cfg.model
         if sim.compute != "measured":
-            key = (config.to_json(model), sim.compute)
+            key = (config.to_json(model), sim.compute, sim.flop_per_byte[sim.compute])
             if key not in self.cache:
                 self.cache[key] = counted(
                     model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute,

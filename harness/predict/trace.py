@@ -6,10 +6,10 @@ execution order, with the layers its forward needs), the moment each gradient is
 during backward (backward order, as the methods lay gradients out) and the optimizer
 step, stamped by a clock: work counted on the meta device (`count_work`, a cache
 miss: FLOPs, plus the bytes that operations without FLOPs move, weighed by a GPU's
-FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`). Each returns the fields
-of profile.Compute as a dict (what the cache keeps). torch, the models and the methods'
-torch side are imported inside the functions, so the predictor imports this module
-without them.
+FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`). Each
+returns the fields of profile.Compute as a dict (what the cache keeps). torch, the
+models and the methods' torch side are imported inside the functions, so the predictor
+imports this module without them.
 """
 
 from __future__ import annotations
