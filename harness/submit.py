@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
+import json
 import shlex
 import shutil
 import sys
@@ -54,6 +55,7 @@ from harness.measure import results
 SUBMIT_KEYS = ("dry_run",)
 IDENTITY = ("model", "method", "engine", "nodes", "workers_per_node", "servers", "network",
             "local_batch_size", "warmup_iters", "timed_iters", "sync_each_step")
+SECTIONS = ("model", "method", "network")  # whole: any key of them overridden is another run
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -76,11 +78,17 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def identity(cfg: DictConfig) -> tuple:
-    """What makes two runs the same configuration (the result columns in IDENTITY)."""
+    """What makes two runs the same configuration: the result columns in IDENTITY and the
+    whole of the configuration's SECTIONS (a method's transport or planner overridden, a
+    model's build, a network's rate)."""
     return (cfg.model.name, cfg.method.name, cfg.engine, cfg.cluster.nodes,
             cfg.cluster.workers_per_node, num_servers(cfg), cfg.network.name,
             cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters,
-            cfg.run.sync_each_step)
+            cfg.run.sync_each_step, _sections(json.loads(config.to_json(cfg))))
+
+
+def _sections(tree: dict) -> str:
+    return json.dumps({k: tree.get(k) for k in SECTIONS}, sort_keys=True)
 
 
 def completed(results_dir: str | Path) -> dict[tuple, int]:
@@ -89,7 +97,9 @@ def completed(results_dir: str | Path) -> dict[tuple, int]:
     if frame is None or frame.empty:
         return {}
     ok = frame[(frame.status == "ok") & (frame.source != "simulated")]
-    counts = ok.groupby(list(IDENTITY), dropna=False).size()
+    ok = ok.assign(sections=ok.config_json.map(
+        lambda text: _sections(json.loads(text)) if isinstance(text, str) else None))
+    counts = ok.groupby([*IDENTITY, "sections"], dropna=False).size()
     return {tuple(_plain(v) for v in key): int(n) for key, n in counts.items()}
 
 

@@ -287,7 +287,8 @@ def test_cuda_is_checked_on_the_partition_not_on_this_machine(tmp_path) -> None:
     assert "array DRY-RUN-n1x2g2: 2 tasks" in out.stdout
 
 
-def test_a_configuration_done_natively_is_not_done_on_horovod(tmp_path) -> None:
+def test_a_configuration_done_is_not_done_on_horovod_or_with_other_method_settings(
+        tmp_path) -> None:
     from harness.measure import bench
 
     cfg = config.load(["model=bert_tiny", "method=bsp_a2a", f"results_dir={tmp_path}"])
@@ -295,8 +296,15 @@ def test_a_configuration_done_natively_is_not_done_on_horovod(tmp_path) -> None:
     assert results.write_shard(results.shard_path(tmp_path, "r", 0), [row])
     done = submit.completed(tmp_path)
     assert done == {submit.identity(cfg): 1}
-    cfg.engine = "horovod"
-    assert submit.identity(cfg) not in done
+    for other in (["engine=horovod"], ["method.horovod.cycle_time_s=0.005"],
+                  ["model.build.seq_len=16"], ["run.sync_each_step=true"]):
+        twin = config.load(["model=bert_tiny", "method=bsp_a2a", f"results_dir={tmp_path}",
+                            *other])
+        assert submit.identity(twin) not in done, other
+    # what does not change the measurement leaves it done
+    same = config.load(["model=bert_tiny", "method=bsp_a2a", f"results_dir={tmp_path}",
+                        "run.timeout_s=99", "run.repeats=1"])
+    assert submit.completed(tmp_path).get(submit.identity(same)) == 1
 
 
 # -- GPUs for workers only (issue 28) ---------------------------------------------------------
