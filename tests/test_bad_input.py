@@ -169,6 +169,8 @@ ROWS = [
      ["simulate.gpus.rtx2080ti.resnet50='abc'", "samples/s"]),
     ("harness.simulate", [*STUDY, "simulate.flop_per_byte.rtx2080ti=0"],
      ["simulate.flop_per_byte.rtx2080ti=0 is invalid", "peak FP32 FLOP/s"]),
+    ("harness.simulate", [*STUDY, "simulate.compute=h100", "+simulate.gpus.h100={{resnet50: 900}}"],
+     ["simulate.flop_per_byte has no value for GPU 'h100'", "+simulate.flop_per_byte.h100="]),
     ("harness.simulate", [*STUDY, "method=mgwfbp", "simulate.mgwfbp_cost=table"],
      ["simulate.mgwfbp_cost='table' is invalid", "fitted, study"]),
     # misspelled keys and choices

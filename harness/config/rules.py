@@ -190,6 +190,10 @@ def _check_simulate(cfg: Config) -> None:
         raise ConfigError(f"simulate.gpus.{sim.compute}.{cfg.model.name}={throughput!r} is "
                           "invalid; it must be a number of samples/s > 0")
     balance = sim.flop_per_byte.get(sim.compute)
+    if balance is None:
+        raise ConfigError(f"simulate.flop_per_byte has no value for GPU {sim.compute!r}; add "
+                          f"+simulate.flop_per_byte.{sim.compute}=<its peak FP32 FLOP/s over its "
+                          "memory's bytes/s> (the 2080 Ti's: 13.45e12 / 616e9 = 21.8)")
     if (isinstance(balance, bool) or not isinstance(balance, (int, float))
             or not 0 < balance < math.inf):
         raise ConfigError(f"simulate.flop_per_byte.{sim.compute}={balance!r} is invalid; give "
