@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -143,6 +144,29 @@ def test_a_method_on_another_engine_is_a_method_of_its_own(tmp_path):
     cells = cells_of(native + horovod, tmp_path).set_index(["method", "world_size"])
     assert cells.loc[("wfbp_a2a@horovod", 2), "mean"] == pytest.approx(6.0)
     assert cells.loc[("wfbp_a2a", 2), "mean"] == pytest.approx(expected(native, "wfbp_a2a", 2)[0])
+
+
+def test_a_cell_averaging_different_configurations_is_named_with_the_keys(tmp_path, capsys):
+    scatter = json.dumps({"method": {"name": "wfbp_a2a", "transport": {"node_reduce": "scatter"}},
+                          "model": {"name": "toy"}, "network": {"name": "loopback"}})
+    root = scatter.replace('"scatter"', '"root"')
+    rows = [row("single", 1, 0, 10.0, config_json=scatter)]
+    rows += [row("wfbp_a2a", 2, r, 15.0, config_json=text, run_id=f"w{r}")
+             for r, text in enumerate([scatter, scatter, root])]
+    rows += [row("wfbp_a2a", 4, r, 25.0, config_json=scatter, sync_each_step=r == 1,
+                 run_id=f"s{r}") for r in range(2)]
+    rows += [row("mgwfbp", 2, r, 16.0, config_json=scatter, run_id=f"m{r}") for r in range(2)]
+    write(tmp_path / "results", rows)
+    assert command.main([f"results_dir={tmp_path / 'results'}",
+                         f"out_dir={tmp_path / 'plots'}"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "averages" in line]
+    assert warnings == [
+        "ddlbench: warning: toy wfbp_a2a at 2 workers (loopback, measured) averages runs of "
+        "different configurations (method.transport.node_reduce: root, scatter); give each its "
+        "own results_dir to compare them",
+        "ddlbench: warning: toy wfbp_a2a at 4 workers (loopback, measured) averages runs of "
+        "different configurations (run.sync_each_step: False, True); give each its own "
+        "results_dir to compare them"]
 
 
 def test_sources_and_networks_are_kept_apart_with_their_own_baseline(tmp_path):

@@ -42,6 +42,7 @@ from harness.report.data import (
     failed_runs,
     load_rows,
     missing_cells,
+    mixed_cells,
     normalize,
     read_reference,
     reference_cells,
@@ -90,6 +91,8 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
         f"in {time.perf_counter() - start:.1f}s"
     )
     results.warn(bad)
+    for line in mixed_cells(rows, frame):
+        _log(f"ddlbench: warning: {line}")
     if frame.empty:  # the reference alone: the study's own figures and numbers
         data, attempted, published = published, published, None
     else:

@@ -8,6 +8,7 @@ user can fix), which the command turns into one line and exit code 2.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -182,6 +183,53 @@ def missing_cells(frame: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     reason = ("failed: " + grid["error"].str.slice(0, 80)).fillna("not run")
     return grid.drop(columns="error").assign(reason=reason).reset_index(drop=True)
 
+
+
+def mixed_cells(rows: pd.DataFrame, frame: pd.DataFrame) -> list[str]:
+    """A line per cell whose ok rows (`frame`, normalized from `rows`) ran different
+    configurations: a key of the model, method or network section, or the clock
+    (run.sync_each_step). The report averages such rows into one bar; the line says which
+    keys differ and with what values."""
+    ok = frame[frame["ok"]]
+    if ok.empty:
+        return []
+    picked = rows.loc[ok.index]
+    run = picked["config_json"].fillna("{}") + "\n" + picked["sync_each_step"].astype(str)
+    cell = ok[CELL].astype("string").fillna("?").agg("|".join, axis=1)
+    lines = []
+    for _, same in run.groupby(cell):
+        if same.nunique() < 2:
+            continue
+        variants = [_settings(r) for r in dict.fromkeys(same)]
+        differ = sorted(k for k in set().union(*variants)
+                        if len({repr(v.get(k)) for v in variants}) > 1)
+        if not differ:
+            continue
+        what = "; ".join(f"{k}: " + ", ".join(sorted({str(v.get(k)) for v in variants}))
+                         for k in differ)
+        c = ok.loc[same.index[0]]
+        lines.append(f"{c['model']} {c['method']} at {c['world_size']} workers ({c['network']}, "
+                     f"{c['source']}) averages runs of different configurations ({what}); "
+                     "give each its own results_dir to compare them")
+    return lines
+
+
+def _settings(run: str) -> dict[str, object]:
+    """A run's model, method and network keys (dotted) and its clock."""
+    text, synced = run.rsplit("\n", 1)
+    tree = json.loads(text)
+    return {**_flat({k: tree.get(k) for k in ("model", "method", "network")}),
+            "run.sync_each_step": synced == "True"}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def load_rows(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
