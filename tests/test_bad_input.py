@@ -171,6 +171,9 @@ ROWS = [
      ["simulate.flop_per_byte.rtx2080ti=0 is invalid", "peak FP32 FLOP/s"]),
     ("harness.simulate", [*STUDY, "simulate.compute=h100", "+simulate.gpus.h100={{resnet50: 900}}"],
      ["simulate.flop_per_byte has no value for GPU 'h100'", "+simulate.flop_per_byte.h100="]),
+    ("harness.simulate", ["experiment=paper", "network=ib100_rdma", "cluster.workers_per_node=3"],
+     ["simulate.mgwfbp_cost=study: MG-WFBP's cost=study has", "not 3",
+      "set simulate.mgwfbp_cost=fitted"]),
     ("harness.simulate", [*STUDY, "method=mgwfbp", "simulate.mgwfbp_cost=table"],
      ["simulate.mgwfbp_cost='table' is invalid", "fitted, study"]),
     # misspelled keys and choices

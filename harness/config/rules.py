@@ -52,7 +52,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     _once(checked, _check_model, cfg.model)
     _once(checked, _check_method, cfg.method)
     _check_servers(cfg.method, cfg.cluster)
-    _check_study_cost(cfg)
+    _check_study_cost(cfg, simulate=simulate)
     checks.check_cluster(cfg)
     checks.check_engine(cfg)
     _once(checked, checks.check_network, cfg.network)
@@ -142,7 +142,7 @@ def as_simulated(cfg: Frozen) -> Frozen:
     return assign(cfg, "method.planner.cost", cost)
 
 
-def _check_study_cost(cfg: Config) -> None:
+def _check_study_cost(cfg: Config, *, simulate: bool) -> None:
     """MG-WFBP's cost=study has the study's table for this many workers."""
     if cfg.method.planner.get("cost") != "study":
         return
@@ -151,6 +151,10 @@ def _check_study_cost(cfg: Config) -> None:
     try:
         study_cost(cfg.network.name, num_workers(cfg))
     except ValueError as exc:
+        if simulate and cfg.simulate.mgwfbp_cost == "study":  # experiment=paper sets it
+            lacks = str(exc).split("; use ")[0]
+            raise ConfigError(f"simulate.mgwfbp_cost=study: {lacks}; set "
+                              "simulate.mgwfbp_cost=fitted to merge on the fitted cost") from None
         raise ConfigError(str(exc)) from None
 
 
