@@ -237,12 +237,13 @@ def check_links(cfg: DictConfig) -> None:
             raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")
 
 
-def output_dir(key: str, path: str | os.PathLike) -> None:
+def output_dir(key: str, path: str | os.PathLike, *, example: str = "results") -> None:
     """`path` can take output: a writable directory, or one the nearest existing ancestor
     (a writable directory) can hold. Creates nothing. An empty path is refused: it would
     mean the current folder, and results would be scattered there."""
     if path is None or not str(path).strip():
-        raise ConfigError(f"{key} is empty; give a folder to write to (e.g. {key}=results)")
+        shown = f"{key} {example}" if key.startswith("--") else f"{key}={example}"
+        raise ConfigError(f"{key} is empty; give a folder to write to (e.g. {shown})")
     full = Path(os.path.abspath(path))
     existing = next(p for p in (full, *full.parents) if os.path.exists(p))
     if not existing.is_dir():

@@ -139,7 +139,8 @@ def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
     if not (REPO / slurm.template).is_file():
         raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} does not exist; "
                                  "give a path relative to the repository")
-    checks.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir)  # task lists, scripts, logs
+    # task lists, scripts, logs
+    checks.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir, example="slurm/jobs")
 
 
 def group(tasks: list[Task]) -> dict[Shape, list[Task]]:
