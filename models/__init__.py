@@ -29,6 +29,10 @@ class VisionArgs:
     image_size: int
     num_classes: int
 
+    def problem(self) -> str | None:
+        """The first argument no model can be built or fed with (`key=value is invalid; ...`)."""
+        return _below_one(self, "image_size", "num_classes")
+
 
 @dataclass(frozen=True)
 class BertArgs:
@@ -41,6 +45,27 @@ class BertArgs:
     seq_len: int
     vocab_size: int = 30522
     dropout: float = 0.1
+
+    def problem(self) -> str | None:
+        """The first argument no model can be built or fed with (`key=value is invalid; ...`)."""
+        low = _below_one(self, "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                         "seq_len", "vocab_size")
+        if low:
+            return low
+        if self.hidden_size % self.num_heads:
+            fit = -(-self.hidden_size // self.num_heads) * self.num_heads
+            return (f"hidden_size={self.hidden_size} is invalid with num_heads={self.num_heads}; "
+                    f"it must be a multiple of it, e.g. {fit}")
+        if not 0 <= self.dropout < 1:
+            return f"dropout={self.dropout} is invalid; it must be in [0, 1)"
+        return None
+
+
+def _below_one(args: object, *keys: str) -> str | None:
+    for key in keys:
+        if getattr(args, key) < 1:
+            return f"{key}={getattr(args, key)} is invalid; it must be >= 1"
+    return None
 
 
 @dataclass(frozen=True)

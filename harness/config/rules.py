@@ -8,6 +8,7 @@ same `checked` set for the whole sweep; every other rule runs per job.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from omegaconf import DictConfig
@@ -47,6 +48,8 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     _one_of("cluster.device", cfg.cluster.device, ("auto", "cpu", "cuda"))
     _one_of("cluster.backend", cfg.cluster.backend, ("auto", "gloo", "nccl"))
     _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
+    for name in ("model.optimizer.lr", "model.optimizer.momentum", "model.optimizer.weight_decay"):
+        _positive(name, select(cfg, name), zero_ok=True)
     _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
     _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
     _once(checked, _check_model, cfg.model)
@@ -98,6 +101,14 @@ def _check_model(model: Config) -> None:
         expected = methods.wrong_type(family.params, key, value)
         if expected:
             raise ConfigError(f"model.build.{key}={value!r} is invalid; it must be {expected}")
+    missing = [f.name for f in dataclasses.fields(family.params)
+               if f.default is dataclasses.MISSING and f.name not in model.build]
+    if missing:
+        raise ConfigError(f"model.build lacks {', '.join(missing)}, which the {model.family} "
+                          f"family needs; add +model.build.{missing[0]}=<value>")
+    problem = family.params(**model.build).problem()
+    if problem:
+        raise ConfigError(f"model.build.{problem}")
 
 
 def _check_method(method: Config) -> None:
