@@ -164,6 +164,7 @@ ROWS = [
      ["method.planner.bucket_cap_mb='abc'", "a number"]),
     ("harness.run", ["model.build.image_size=abc"], ["model.build.image_size='abc'", "integer"]),
     # values a model cannot be built or fed with, or an optimizer cannot take (failed in a rank)
+    ("harness.run", ["run.timeout_s=1e-9"], ["run.timeout_s=1e-09 is too short", "at least 1"]),
     ("harness.run", ["model=bert_tiny", "model.build.seq_len=0"],
      ["model.build.seq_len=0 is invalid", ">= 1"]),
     ("harness.run", ["model=bert_tiny", "model.build.hidden_size=130", "model.build.num_heads=4"],

@@ -37,6 +37,9 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     for name in ("model.local_batch_size", "cluster.nodes", "cluster.workers_per_node",
                  "run.timed_iters", "run.repeats", "run.timeout_s", "verify.steps"):
         _positive(name, select(cfg, name))
+    if cfg.run.timeout_s < 1:
+        raise ConfigError(f"run.timeout_s={cfg.run.timeout_s:g} is too short for a rank to meet "
+                          "its peers or finish a collective; give at least 1 second")
     for name in ("run.warmup_iters", "run.threads", "verify.atol", "verify.rtol"):
         _positive(name, select(cfg, name), zero_ok=True)
     _positive("microbench.repeats", cfg.microbench.repeats)
