@@ -39,6 +39,8 @@ def main(argv: list[str]) -> int:
         out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     try:
         checks.used_by("harness.plan", argv)
+        if out is not None:
+            checks.output_file("--json", out)
         # nothing is started: lift the machine-fit limits of a run on this machine
         cfg = config.load(["run.force=true", *argv], simulate=True)
         model = tensors(cfg.model)
@@ -53,6 +55,7 @@ def main(argv: list[str]) -> int:
     except BrokenPipeError:  # `| head`: the reader has what it wanted
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1))
         print(f"plan -> {out}")
     return 0

@@ -140,6 +140,14 @@ ROWS = [
     ("harness.microbench", ["results_dir="], ["results_dir is empty"]),
     ("harness.simulate", [*STUDY, "results_dir="], ["results_dir is empty"]),
     ("harness.report.__main__", ["results_dir="], ["results_dir is empty"]),
+    ("harness.simulate", [*STUDY, "results_dir={tmp}/loop/results"],
+     ["results_dir={tmp}/loop/results: {tmp}/loop is a symbolic link to nothing (or to itself)"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/loop"],
+     ["symbolic link to nothing"]),
+    ("harness.plan", ["--json", "{tmp}"], ["--json {tmp} is a folder", "{tmp}/plan.json"]),
+    ("harness.plan", ["--json", "{tmp}/file.txt/plan.json"],
+     ["cannot be written: {tmp}/file.txt is a file"]),
+    ("harness.plan", ["--json", "{tmp}/loop"], ["{tmp}/loop is a symbolic link to nothing"]),
     ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir= "],
      ["out_dir is empty", "(e.g. out_dir=plots)"]),
     ("harness.methodbench", ["--results-dir", ""], ["--results-dir is empty"]),
@@ -278,6 +286,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(module: str, args: lis
         pytest.skip("this machine takes the study's 40 local processes")
     for name, text in FILES.items():
         (tmp_path / name).write_bytes(text.encode("latin-1"))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # a path that resolves to itself
     before = _files(tmp_path)
     argv = [a.format(tmp=tmp_path, ro=RO) for a in _argv(module, args)]
     start = time.monotonic()
@@ -288,7 +297,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(module: str, args: lis
     assert "Traceback" not in out.stderr
     assert len(lines) == 1 and lines[0].startswith("ddlbench: error: "), out.stderr
     for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+        assert fragment.format(tmp=tmp_path) in lines[0], lines[0]
     assert _files(tmp_path) == before, "bad input may write nothing"
     assert not Path(RO).exists()
     assert elapsed < 60, f"bad input took {elapsed:.0f}s: something started"

@@ -245,13 +245,37 @@ def output_dir(key: str, path: str | os.PathLike, *, example: str = "results") -
         shown = f"{key} {example}" if key.startswith("--") else f"{key}={example}"
         raise ConfigError(f"{key} is empty; give a folder to write to (e.g. {shown})")
     full = Path(os.path.abspath(path))
-    existing = next(p for p in (full, *full.parents) if os.path.exists(p))
+    existing = _nearest(f"{key}={path}", full)
     if not existing.is_dir():
         where = "is a file" if existing == full else f"cannot be made: {existing} is a file"
         raise ConfigError(f"{key}={path} {where}; choose another {key}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}={path} is not writable ({existing} is read-only here); "
                           f"choose another {key}")
+
+
+def output_file(flag: str, path: str | os.PathLike) -> None:
+    """`path` can be written as a file: no folder, and the nearest existing path above it a
+    writable folder (the folders between are made when it is written)."""
+    full = Path(os.path.abspath(path))
+    _nearest(f"{flag} {path}", full)  # a link to nothing on the way is refused
+    if full.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. "
+                          f"{flag} {Path(path) / 'plan.json'}")
+    existing = _nearest(f"{flag} {path}", full.parent)
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "a file" if not existing.is_dir() else "read-only here"
+        raise ConfigError(f"{flag} {path} cannot be written: {existing} is {why}; give "
+                          "another file name")
+
+
+def _nearest(given: str, full: Path) -> Path:
+    """The nearest path of `full` and its parents that exists (a link included)."""
+    existing = next(p for p in (full, *full.parents) if os.path.lexists(p))
+    if existing.is_symlink() and not existing.exists():  # dangling, or a loop
+        raise ConfigError(f"{given}: {existing} is a symbolic link to nothing (or to itself); "
+                          "remove it or choose another path")
+    return existing
 
 
 def is_a(value: Any, kind: type) -> bool:
