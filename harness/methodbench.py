@@ -63,7 +63,7 @@ import pandas as pd
 
 from harness import config
 from harness import run as harness_run
-from harness.config import checks
+from harness.config import checks, paths
 from harness.config.schema import ENGINES, REPO
 from harness.launch.launcher import launch
 from harness.measure import progress, results
@@ -148,7 +148,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
                              ("--timed-iters", args.timed_iters, 1), ("--nodes", args.nodes, 1)):
         if value < low:
             raise config.ConfigError(f"{flag} {value} is invalid; it must be >= {low}")
-    checks.output_dir("--results-dir", args.results_dir)
+    paths.output_dir("--results-dir", args.results_dir)
     runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts],
                     roots="root" in node_reduces and args.nodes > 1, unmetered=args.unmetered)
     if not any(runs.values()):
@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
         if args.simulate:
-            checks.output_dir("--results-dir", args.results_dir)
+            paths.output_dir("--results-dir", args.results_dir)
         else:
             model_names, runs = check_args(args)
     except config.ConfigError as exc:

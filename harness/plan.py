@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from harness import config
-from harness.config import checks
+from harness.config import checks, paths
 from harness.predict.plans import describe, mgwfbp_inputs, plan_of, render, tensors
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     try:
         checks.used_by("harness.plan", argv)
         if out is not None:
-            checks.output_file("--json", out)
+            paths.output_file("--json", out)
         # nothing is started: lift the machine-fit limits of a run on this machine
         cfg = config.load(["run.force=true", *argv], simulate=True)
         model = tensors(cfg.model)

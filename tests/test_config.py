@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from harness import config, run
-from harness.config import checks
+from harness.config import checks, paths
 from harness.config import compose as composition
 from tests.conftest import TINY, run_module
 
@@ -247,12 +247,12 @@ def test_unknown_keys_get_the_closest_valid_ones() -> None:
 
 def test_output_dir_is_checked_without_being_made(tmp_path) -> None:
     target = tmp_path / "a" / "b"
-    checks.output_dir("results_dir", target)
+    paths.output_dir("results_dir", target)
     assert not (tmp_path / "a").exists()
     (tmp_path / "f").write_text("")
     for bad in (tmp_path / "f", tmp_path / "f" / "x"):
         with pytest.raises(config.ConfigError, match="is a file"):
-            checks.output_dir("results_dir", bad)
+            paths.output_dir("results_dir", bad)
 
 
 def test_a_yaml_error_names_its_file_and_line() -> None:

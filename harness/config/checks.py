@@ -1,11 +1,10 @@
 """Checks of a composed config and of a command's inputs, before anything starts.
 
-Against this machine (processes, memory, threads), the file system (output folders are
-checked, never made), the key names (the closest valid ones), the types of free-form
-keys, and input tables (`read_table`). Each raises `ConfigError` with one line naming
-the value, the limit or the problem, and the fix. `config.validate` runs the config
-checks on every job; commands with output folders of their own (report's out_dir,
-submit's jobs_dir, methodbench's --results-dir) call `output_dir` before they start.
+Against this machine (processes, memory, threads), the key names (the closest valid
+ones), the types of free-form keys, and input tables (`read_table`); output paths are
+checked by harness/config/paths.py. Each raises `ConfigError` with one line naming the
+value, the limit or the problem, and the fix. `config.validate` runs the config checks on
+every job.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.frozen import Config, select, thaw
+from harness.config.frozen import Config, leaves, select, thaw
 from harness.config.ranks import external_rank, num_servers, num_workers
 from harness.config.schema import (
     CONF_DIR,
@@ -237,47 +236,6 @@ def check_links(cfg: DictConfig) -> None:
             raise ConfigError("cluster=emulated runs on the CPU; set cluster.device=cpu")
 
 
-def output_dir(key: str, path: str | os.PathLike, *, example: str = "results") -> None:
-    """`path` can take output: a writable directory, or one the nearest existing ancestor
-    (a writable directory) can hold. Creates nothing. An empty path is refused: it would
-    mean the current folder, and results would be scattered there."""
-    if path is None or not str(path).strip():
-        shown = f"{key} {example}" if key.startswith("--") else f"{key}={example}"
-        raise ConfigError(f"{key} is empty; give a folder to write to (e.g. {shown})")
-    full = Path(os.path.abspath(path))
-    existing = _nearest(f"{key}={path}", full)
-    if not existing.is_dir():
-        where = "is a file" if existing == full else f"cannot be made: {existing} is a file"
-        raise ConfigError(f"{key}={path} {where}; choose another {key}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={path} is not writable ({existing} is read-only here); "
-                          f"choose another {key}")
-
-
-def output_file(flag: str, path: str | os.PathLike) -> None:
-    """`path` can be written as a file: no folder, and the nearest existing path above it a
-    writable folder (the folders between are made when it is written)."""
-    full = Path(os.path.abspath(path))
-    _nearest(f"{flag} {path}", full)  # a link to nothing on the way is refused
-    if full.is_dir():
-        raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. "
-                          f"{flag} {Path(path) / 'plan.json'}")
-    existing = _nearest(f"{flag} {path}", full.parent)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "a file" if not existing.is_dir() else "read-only here"
-        raise ConfigError(f"{flag} {path} cannot be written: {existing} is {why}; give "
-                          "another file name")
-
-
-def _nearest(given: str, full: Path) -> Path:
-    """The nearest path of `full` and its parents that exists (a link included)."""
-    existing = next(p for p in (full, *full.parents) if os.path.lexists(p))
-    if existing.is_symlink() and not existing.exists():  # dangling, or a loop
-        raise ConfigError(f"{given}: {existing} is a symbolic link to nothing (or to itself); "
-                          "remove it or choose another path")
-    return existing
-
-
 def is_a(value: Any, kind: type) -> bool:
     """isinstance, where a bool is no number and an int is a float."""
     if kind in (int, float) and isinstance(value, bool):
@@ -295,20 +253,12 @@ def check_network(network: Config) -> None:
         if not is_a(value, NETWORK_KEYS[key]):
             raise ConfigError(f"network.{key}={value!r} is invalid; it must be "
                               f"{TYPE_WORDS[NETWORK_KEYS[key]]}")
-    for path, value in _leaves({k: net[k] for k in ("inter_node", "intra_node") if k in net}):
+    for path, value in leaves({k: net[k] for k in ("inter_node", "intra_node") if k in net}):
         if not is_a(value, float):
             raise ConfigError(f"network.{path}={value!r} is invalid; it must be a number")
     if net.get("allreduce", "ring") not in ALLREDUCE:
         raise ConfigError(f"network.allreduce={net['allreduce']!r} is invalid; choose one of: "
                           f"{', '.join(ALLREDUCE)}")
-
-
-def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{prefix}{k}.")]
-    if isinstance(tree, list):
-        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{prefix}{i}.")]
-    return [(prefix.rstrip("."), tree)]
 
 
 def keys(cfg: DictConfig) -> list[str]:

@@ -85,3 +85,12 @@ def select(cfg: Config, key: str, default: Any = None) -> Any:
 def to_json(cfg: Config) -> str:
     """The configuration as sorted JSON (a result row's `config_json`)."""
     return json.dumps(cfg if isinstance(cfg, Frozen) else thaw(cfg), sort_keys=True)
+
+
+def leaves(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every leaf of a tree of dicts and lists as (dotted key, value)."""
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in leaves(v, f"{prefix}{k}.")]
+    if isinstance(tree, list):
+        return [leaf for i, v in enumerate(tree) for leaf in leaves(v, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), tree)]

@@ -13,7 +13,7 @@ import math
 
 from omegaconf import DictConfig
 
-from harness.config import checks
+from harness.config import checks, paths
 from harness.config.frozen import Config, Frozen, assign, select, thaw
 from harness.config.ranks import num_workers
 from harness.config.schema import OPTIMIZERS, ConfigError, first_line
@@ -85,7 +85,7 @@ def _once(checked: set | None, check, node) -> None:
 
 
 def _results_dir(path: str) -> None:
-    checks.output_dir("results_dir", path)
+    paths.output_dir("results_dir", path)
 
 
 def _check_model(model: Config) -> None:

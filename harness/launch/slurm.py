@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import config
-from harness.config import checks
+from harness.config import paths
 from harness.config.ranks import num_servers, num_workers
 from harness.config.schema import REPO
 
@@ -140,7 +140,7 @@ def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
         raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} does not exist; "
                                  "give a path relative to the repository")
     # task lists, scripts, logs
-    checks.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir, example="slurm/jobs")
+    paths.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir, example="slurm/jobs")
 
 
 def group(tasks: list[Task]) -> dict[Shape, list[Task]]:

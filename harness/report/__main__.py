@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.config import ConfigError, checks
+from harness.config import ConfigError, paths
 from harness.measure import results
 from harness.report import page
 from harness.report.data import (
@@ -69,7 +69,7 @@ def _no_data(results_dir: str | Path, bad: list[tuple[Path, str]], n: int) -> Re
 def report(results_dir: str, out_dir: str, reference: str | None = None,
            timeline: str | None = None) -> None:
     """Load, aggregate and write every figure and table (see the module docstring)."""
-    checks.output_dir("out_dir", out_dir, example="plots")
+    paths.output_dir("out_dir", out_dir, example="plots")
     if results_dir is None or not str(results_dir).strip():
         raise ReportError("results_dir is empty; give the folder of the shards (e.g. "
                           "results_dir=results)")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.config.frozen import leaves
 from harness.measure import results
 
 SETTING = ["model", "local_batch_size", "network", "source"]
@@ -218,18 +219,8 @@ def _settings(run: str) -> dict[str, object]:
     """A run's model, method and network keys (dotted) and its clock."""
     text, synced = run.rsplit("\n", 1)
     tree = json.loads(text)
-    return {**_flat({k: tree.get(k) for k in ("model", "method", "network")}),
+    return {**dict(leaves({k: tree.get(k) for k in ("model", "method", "network")})),
             "run.sync_each_step": synced == "True"}
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def load_rows(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
