@@ -36,6 +36,7 @@ from omegaconf import DictConfig
 
 from harness import config
 from harness.config import checks
+from harness.config.frozen import thaw
 from harness.config.ranks import num_servers, num_workers
 from harness.launch.slurm import (
     Shape,
@@ -84,7 +85,7 @@ def identity(cfg: DictConfig) -> tuple:
     return (cfg.model.name, cfg.method.name, cfg.engine, cfg.cluster.nodes,
             cfg.cluster.workers_per_node, num_servers(cfg), cfg.network.name,
             cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters,
-            cfg.run.sync_each_step, _sections(json.loads(config.to_json(cfg))))
+            cfg.run.sync_each_step, _sections(thaw(cfg)))
 
 
 def _sections(tree: dict) -> str:

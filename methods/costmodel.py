@@ -53,15 +53,15 @@ def network_family(network: str | None) -> str:
     return "ib" if (network or "").startswith("ib") else "tcp"
 
 
-def study_cost(network: str | None, workers: int) -> Cost:
+def study_cost(network: str | None, workers: int, *,
+               fix: str = "use method.planner.cost=fitted (measured on this run)") -> Cost:
     """The study's all-reduce cost for `workers` on `network`'s family; one worker sends
-    nothing. ValueError for a count the study's table lacks."""
+    nothing. ValueError for a count the study's table lacks, ending with `fix`."""
     if workers == 1:
         return Cost(alpha=0.0, beta=0.0)
     table = STUDY_COSTS[network_family(network)]
     if workers not in table:
         raise ValueError(f"MG-WFBP's cost=study has the study's alpha and beta for "
-                         f"{', '.join(map(str, table))} workers, not {workers}; use "
-                         "method.planner.cost=fitted (measured on this run)")
+                         f"{', '.join(map(str, table))} workers, not {workers}; {fix}")
     alpha, beta = table[workers]
     return Cost(alpha=alpha, beta=beta)

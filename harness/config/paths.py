@@ -32,14 +32,14 @@ def output_file(flag: str, path: str | os.PathLike) -> None:
     """`path` can be written as a file: no folder, and the nearest existing path above it a
     writable folder (the folders between are made when it is written)."""
     full = Path(os.path.abspath(path))
-    _nearest(f"{flag} {path}", full)  # a link to nothing on the way is refused
-    if full.is_dir():
+    existing = _nearest(f"{flag} {path}", full)
+    if existing == full and full.is_dir():
         raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. "
                           f"{flag} {Path(path) / 'plan.json'}")
-    existing = _nearest(f"{flag} {path}", full.parent)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "a file" if not existing.is_dir() else "read-only here"
-        raise ConfigError(f"{flag} {path} cannot be written: {existing} is {why}; give "
+    folder = full.parent if existing == full else existing  # the file's, or the nearest above
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        why = "a file" if not folder.is_dir() else "read-only here"
+        raise ConfigError(f"{flag} {path} cannot be written: {folder} is {why}; give "
                           "another file name")
 
 

@@ -162,14 +162,13 @@ def _check_study_cost(cfg: Config, *, simulate: bool) -> None:
         return
     from methods.costmodel import study_cost
 
+    by_simulate = simulate and cfg.simulate.mgwfbp_cost == "study"  # experiment=paper sets it
+    fix = {"fix": "set simulate.mgwfbp_cost=fitted to merge on the fitted cost"}
     try:
-        study_cost(cfg.network.name, num_workers(cfg))
+        study_cost(cfg.network.name, num_workers(cfg), **(fix if by_simulate else {}))
     except ValueError as exc:
-        if simulate and cfg.simulate.mgwfbp_cost == "study":  # experiment=paper sets it
-            lacks = str(exc).split("; use ")[0]
-            raise ConfigError(f"simulate.mgwfbp_cost=study: {lacks}; set "
-                              "simulate.mgwfbp_cost=fitted to merge on the fitted cost") from None
-        raise ConfigError(str(exc)) from None
+        where = "simulate.mgwfbp_cost=study: " if by_simulate else ""
+        raise ConfigError(f"{where}{exc}") from None
 
 
 def _check_profile(planner: Config, run: Config) -> None:

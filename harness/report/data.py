@@ -195,13 +195,14 @@ def mixed_cells(rows: pd.DataFrame, frame: pd.DataFrame) -> list[str]:
     if ok.empty:
         return []
     picked = rows.loc[ok.index]
-    run = picked["config_json"].fillna("{}") + "\n" + picked["sync_each_step"].astype(str)
+    run = pd.Series(list(zip(picked["config_json"].fillna("{}"), picked["sync_each_step"])),
+                    index=ok.index)
     cell = ok[CELL].astype("string").fillna("?").agg("|".join, axis=1)
     lines = []
     for _, same in run.groupby(cell):
         if same.nunique() < 2:
             continue
-        variants = [_settings(r) for r in dict.fromkeys(same)]
+        variants = [_settings(*r) for r in dict.fromkeys(same)]
         differ = sorted(k for k in set().union(*variants)
                         if len({repr(v.get(k)) for v in variants}) > 1)
         if not differ:
@@ -215,12 +216,11 @@ def mixed_cells(rows: pd.DataFrame, frame: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _settings(run: str) -> dict[str, object]:
+def _settings(config_json: str, synced: bool) -> dict[str, object]:
     """A run's model, method and network keys (dotted) and its clock."""
-    text, synced = run.rsplit("\n", 1)
-    tree = json.loads(text)
+    tree = json.loads(config_json)
     return {**dict(leaves({k: tree.get(k) for k in ("model", "method", "network")})),
-            "run.sync_each_step": synced == "True"}
+            "run.sync_each_step": bool(synced)}
 
 
 def load_rows(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
