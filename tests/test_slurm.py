@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,10 +17,18 @@ from harness.config import engine as horovod
 from harness.launch import slurm as arrays
 from harness.measure import results
 from tests import slurm_cluster
-from tests.conftest import REPO, TINY, run_module
+from tests.conftest import REPO, TINY, run_main, run_module
 
 ARRAY_TIMEOUT_S = 420
 SMOKE = ["experiment=smoke", *TINY]
+
+
+HOSTILE = "x $(touch pwned) `touch pwned2`; touch pwned3 & \"q\" %A"
+
+
+def _quoted(path: Path) -> str:
+    """`path` as a quoted Hydra override value."""
+    return "'" + str(path).replace("'", "\\'") + "'"
 
 
 def _submit(cluster: slurm_cluster.SlurmCluster | None, *args: str, env: dict | None = None):
@@ -50,8 +59,9 @@ def _wait_for_queue(cluster: slurm_cluster.SlurmCluster, timeout: float) -> None
 
 @pytest.mark.slurm
 def test_smoke_sweep_runs_as_arrays_and_resubmitting_reruns_nothing(slurm, tmp_path) -> None:
-    res, jobs = tmp_path / "results", tmp_path / "jobs"
-    args = [*SMOKE, f"results_dir={res}", f"cluster.slurm.jobs_dir={jobs}",
+    # folders whose names a shell would split and run: quoted, they are only names
+    res, jobs = tmp_path / f"results {HOSTILE}", tmp_path / f"jobs {HOSTILE}"
+    args = [*SMOKE, f"results_dir={_quoted(res)}", f"cluster.slurm.jobs_dir={_quoted(jobs)}",
             f"cluster.slurm.partition={slurm.partition}", "cluster.slurm.cpus_per_task=1",
             "cluster.slurm.mem=1G"]
     out = _submit(slurm, *args)
@@ -71,6 +81,8 @@ def test_smoke_sweep_runs_as_arrays_and_resubmitting_reruns_nothing(slurm, tmp_p
     frame = results.load(res)
     assert len(frame) == 4, logs
     assert (frame.status == "ok").all(), frame.error.tolist()
+    assert len(list(jobs.rglob("logs/*_*.out"))) == 4  # each task's log where it was asked
+    assert not [*tmp_path.rglob("pwned*"), *REPO.glob("pwned*")], "a shell ran a name"
     assert sorted(zip(frame.method, frame.world_size)) == [
         ("bsp_a2a", 1), ("bsp_a2a", 2), ("ddp", 1), ("ddp", 2)]
     assert frame.slurm_job_id.notna().all() and frame.slurm_job_id.nunique() == 2
@@ -375,3 +387,97 @@ def test_heterogeneous_jobs_are_submitted_once_per_task(monkeypatch, tmp_path) -
         assert argv[2].startswith("--output=") and argv[2].endswith(f"/logs/%j_{i}.out")
     script = Path(calls[0][-2])
     assert (script.parent / "workers.txt").read_text() == "2\n2\n"
+
+
+# -- nothing a user typed reaches a shell (issue 37) ----------------------------------------
+
+def _directives(script: str) -> list[list[str]]:
+    """The #SBATCH lines sbatch reads (those before the first command), each split into
+    arguments as sbatch's parser splits them: quotes group, a backslash escapes."""
+    found = []
+    for line in script.splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break  # sbatch stops at the first command
+        if line.startswith("#SBATCH "):
+            found.append([m.group(0) for m in re.finditer(r'(?:"(?:\\.|[^"\\])*"|\S)+',
+                                                          line[8:])])
+    return [[re.sub(r'\\(.)|"', lambda m: m.group(1) or "", arg) for arg in args]
+            for args in found]
+
+
+def test_hostile_values_reach_no_shell_and_every_directive_survives(tmp_path) -> None:
+    jobs, res = tmp_path / f"jobs {HOSTILE}", tmp_path / f"res {HOSTILE}"
+    overrides = ["cluster=slurm", "experiment=smoke", "method=bsp_a2a,ddp",
+                 "cluster.workers_per_node=1", f"results_dir={_quoted(res)}",
+                 f"cluster.slurm.jobs_dir={_quoted(jobs)}",
+                 "cluster.slurm.partition=gpu", "cluster.slurm.account=proj_1",
+                 "cluster.slurm.qos=high", "cluster.slurm.constraint='a100&ib'",
+                 "cluster.slurm.time=1-00:00:00", "cluster.slurm.cpus_per_task=2",
+                 "cluster.slurm.mem=8G", f"cluster.slurm.extra=['--comment={HOSTILE}']"]
+    tasks = submit.load_tasks(overrides)
+    submit.check_gpus(tasks, partition_gpus=0, label="p")
+    [(shape, group)] = arrays.group(tasks).items()
+    script = arrays.write_array(group, shape, root=jobs, name="t")
+    options = dict(a[0].split("=", 1) for a in _directives(script.read_text()) if "=" in a[0])
+    assert len(_directives(script.read_text())) == script.read_text().count("#SBATCH ") == 13
+    assert all(len(a) == 1 for a in _directives(script.read_text()))  # one argument a line
+    assert options["--comment"] == HOSTILE and options["--qos"] == "high"
+    assert options["--output"] == str(script.parent / "logs").replace("%", "%%") + "/%A_%a.out"
+    assert {"--partition", "--account", "--time", "--constraint", "--cpus-per-task", "--mem",
+            "--array", "--job-name", "--nodes", "--ntasks-per-node"} <= set(options)
+
+    stubs = tmp_path / "bin"  # srun records what it would start; scontrol names this host
+    stubs.mkdir()
+    (stubs / "srun").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$SRUN_ARGV"\n')
+    (stubs / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SRUN_ARGV": str(tmp_path / "argv"),
+           "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_JOB_ID": "7", "SLURM_JOB_ID": "8",
+           "SLURM_JOB_NODELIST": "localhost"}
+    out = subprocess.run(["bash", str(script)], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert argv[argv.index("harness.run") + 1:] == group[1].overrides  # intact, task 1's
+    assert not [p for p in [*tmp_path.rglob("pwned*"), *REPO.glob("pwned*")]], "a shell ran"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("cluster.slurm.partition='gpu\ntouch /tmp/x'", ["cluster.slurm.partition=", "is invalid",
+                                                     "a partition name"]),
+    ("cluster.slurm.account='a;b'", ["cluster.slurm.account='a;b' is invalid"]),
+    ("cluster.slurm.qos='$(id)'", ["cluster.slurm.qos='$(id)' is invalid"]),
+    ("cluster.slurm.time=-1", ["cluster.slurm.time='-1' is invalid", "01:30:00"]),
+    ("cluster.slurm.time=forever", ["cluster.slurm.time='forever' is invalid"]),
+    ("cluster.slurm.max_parallel=-1", ["cluster.slurm.max_parallel=-1 is invalid"]),
+    ("cluster.slurm.cpus_per_task=0", ["cluster.slurm.cpus_per_task=0 is invalid"]),
+    ("cluster.slurm.servers_per_node=0", ["cluster.slurm.servers_per_node=0 is invalid"]),
+    ("cluster.slurm.extra=['--comment=a\nb']", ["extra item", "one sbatch option per item"]),
+    ("cluster.slurm.extra=[touch]", ["extra item 'touch' is invalid"]),
+    ("cluster.slurm.extra=['-t 5']", ["sets --time", "set cluster.slurm.time instead"]),
+    ("cluster.slurm.extra=['--array=0-3']", ["sets --array", "remove it"]),
+    ("cluster.slurm.jobs_dir='{tmp}/a\nb'", ["cluster.slurm.jobs_dir=", "control character"]),
+])
+def test_bad_slurm_values_are_refused_before_rendering(tmp_path, override: str,
+                                                      words: list[str]) -> None:
+    out = run_main("harness.submit", *SMOKE, "dry_run=true", f"results_dir={tmp_path}/r",
+                   f"cluster.slurm.jobs_dir={tmp_path}/j", override.format(tmp=tmp_path))
+    assert out.returncode == 2, out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert all(word in out.stderr for word in words), out.stderr
+    assert "#SBATCH" not in out.stdout and not list(tmp_path.iterdir())
+
+
+def test_a_template_placeholder_left_unfilled_is_refused(tmp_path) -> None:
+    template = REPO / "slurm" / f"test-{os.getpid()}.sbatch"
+    template.write_text("#!/bin/bash\n#SBATCH {{job_name}}\ncd {{log_dir}}\n")
+    try:
+        out = run_main("harness.submit", *SMOKE, "dry_run=true", f"results_dir={tmp_path}/r",
+                       f"cluster.slurm.template=slurm/{template.name}")
+    finally:
+        template.unlink()
+    assert out.returncode == 2 and "has {{log_dir}}, which harness.submit does not fill in" \
+        in out.stderr, out.stderr

@@ -74,6 +74,9 @@ class SlurmConf:
 
     partition: str | None = None
     account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    reservation: str | None = None
     time: str | None = "01:00:00"
     gpus_per_node: int | None = None  # None: one per worker when the device is cuda or auto
     cpus_per_task: int | None = None

@@ -25,7 +25,9 @@ from omegaconf import DictConfig
 
 from harness import config
 from harness.config import paths
+from harness.config import sbatch as sbatch_values
 from harness.config.ranks import num_servers, num_workers
+from harness.config.sbatch import directive, extra_directive
 from harness.config.schema import REPO
 
 # Run by bash in every srun task before the rank starts (`exec "$@"`). In a heterogeneous
@@ -47,6 +49,12 @@ if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
 fi
 exec "$@"
 """
+
+
+# what `render` fills in: {{name}} in the template
+PLACEHOLDERS = ("job_name", "output", "resources", "jobs_dir", "workdir", "setup", "hetero",
+                "rank_env", "srun_options", "python")
+SITE = ("partition", "account", "qos", "constraint", "reservation", "time")
 
 
 @dataclass(frozen=True)
@@ -118,10 +126,9 @@ def layout(cfg: DictConfig, slurm: DictConfig) -> list[int]:
 
 
 def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
-    """The cluster.slurm rules that need no Slurm to check."""
-    if slurm.gpus_per_node is not None and slurm.gpus_per_node < 0:
-        raise config.ConfigError(f"cluster.slurm.gpus_per_node={slurm.gpus_per_node} is "
-                                 "invalid; use null (one per worker), 0 (CPU nodes) or more")
+    """The cluster.slurm rules that need no Slurm to check: every value one sbatch accepts
+    (`sbatch.check_values`), and the values fit the configuration."""
+    sbatch_values.check_values(slurm)
     if cfg.cluster.device == "cuda" and slurm.gpus_per_node == 0:
         raise config.ConfigError(
             "cluster.device=cuda but cluster.slurm.gpus_per_node=0 requests no GPUs; set it "
@@ -130,15 +137,15 @@ def check_settings(cfg: DictConfig, slurm: DictConfig) -> None:
         raise config.ConfigError(
             f"cluster.workers_per_node={cfg.cluster.workers_per_node} exceeds "
             f"cluster.slurm.gpus_per_node={slurm.gpus_per_node}; one GPU per worker")
-    if slurm.mem is not None and not re.fullmatch(r"\d+[KMGT]?", str(slurm.mem), re.I):
-        raise config.ConfigError(f"cluster.slurm.mem={slurm.mem!r} is invalid; use Slurm's "
-                                 "--mem form: a size in MB or with a K, M, G or T suffix (64G)")
-    if not slurm.colocate_servers and slurm.servers_per_node < 1:
-        raise config.ConfigError(f"cluster.slurm.servers_per_node={slurm.servers_per_node} "
-                                 "is invalid; it must be >= 1")
     if not (REPO / slurm.template).is_file():
         raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} does not exist; "
                                  "give a path relative to the repository")
+    found = re.findall(r"\{\{(\w+)\}\}", (REPO / slurm.template).read_text())
+    unknown = sorted(set(found) - set(PLACEHOLDERS))
+    if unknown:
+        raise config.ConfigError(f"cluster.slurm.template={slurm.template!r} has "
+                                 f"{{{{{unknown[0]}}}}}, which harness.submit does not fill "
+                                 f"in; use only {', '.join(PLACEHOLDERS)}")
     # task lists, scripts, logs
     paths.output_dir("cluster.slurm.jobs_dir", slurm.jobs_dir, example="slurm/jobs")
 
@@ -259,32 +266,35 @@ def _no_gpus(asked: int | None, label: str) -> str:
 def sbatch_resources(slurm: DictConfig, shape: Shape, *, count: int) -> str:
     """The #SBATCH lines of the resources: an array of `count` tasks of the shape's nodes,
     or a heterogeneous job of the worker nodes (with GPUs) and the server nodes (CPUs
-    only), each with the site's settings."""
-    site = [f"--partition={slurm.partition}" if slurm.partition else None,
-            f"--account={slurm.account}" if slurm.account else None,
-            f"--time={slurm.time}" if slurm.time else None]
-    per_task = [f"--cpus-per-task={slurm.cpus_per_task}" if slurm.cpus_per_task else None,
-                f"--mem={slurm.mem}" if slurm.mem else None]
+    only), each with the site's settings; every value quoted as sbatch reads it."""
+    site = [directive(key, slurm[key]) for key in SITE if slurm[key]]
+    per_task = [directive("cpus-per-task", slurm.cpus_per_task) if slurm.cpus_per_task
+                else None, directive("mem", slurm.mem) if slurm.mem else None]
+    extra = [extra_directive(str(option)) for option in slurm.extra]
     throttle = f"%{slurm.max_parallel}" if slurm.max_parallel else ""
     lines = [None if shape.hetero else f"--array=0-{count - 1}{throttle}",
              f"--nodes={shape.nodes}", f"--ntasks-per-node={shape.tasks_per_node}", *site,
              f"--gpus-per-node={shape.gpus_per_node}" if shape.gpus_per_node else None,
-             *per_task, *slurm.extra]
+             *per_task, *extra]
     if shape.hetero:  # the servers' component: nodes of their own, no GPUs
         lines += ["hetjob", f"--nodes={shape.server_nodes}", f"--ntasks={shape.servers}",
-                  *site, *per_task, *slurm.extra]
+                  *site, *per_task, *extra]
     return "\n".join(f"#SBATCH {o}" for o in lines if o)
 
 
 def render(template: str, *, slurm: DictConfig, shape: Shape, count: int, job_name: str,
            jobs_dir: Path, workdir: Path) -> str:
     """The sbatch script of one array (or heterogeneous job): `template` with its
-    {{placeholders}} filled in."""
+    {{placeholders}} filled in. A user's value reaches a shell line only shell-quoted
+    (paths), or not at all (overrides: read from the task's argument file)."""
     # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
     srun = f"--cpus-per-task={slurm.cpus_per_task} " if slurm.cpus_per_task else ""
+    logs = str(jobs_dir / "logs").replace("%", "%%")  # %A, %a: Slurm's patterns
     values = {
-        "job_name": job_name, "hetero": "1" if shape.hetero else "0",
-        "log_dir": str(jobs_dir / "logs"), "jobs_dir": str(jobs_dir),
+        "job_name": directive("job-name", job_name),
+        "output": directive("output", f"{logs}/%A_%a.out"),
+        "hetero": "1" if shape.hetero else "0",
+        "jobs_dir": shlex.quote(str(jobs_dir)),
         "resources": sbatch_resources(slurm, shape, count=count),
         "srun_options": srun, "rank_env": shlex.quote(RANK_ENV),
         "workdir": shlex.quote(str(workdir)), "setup": slurm.setup or "",
@@ -300,6 +310,9 @@ def write_array(tasks: list[Task], shape: Shape, *, root: Path, name: str) -> Pa
     jobs_dir = root / f"{name}-{shape.label}"
     (jobs_dir / "logs").mkdir(parents=True, exist_ok=True)
     (jobs_dir / "tasks.txt").write_text("".join(shlex.join(t.overrides) + "\n" for t in tasks))
+    (jobs_dir / "args").mkdir(exist_ok=True)  # what the script reads: NUL-separated, no eval
+    for i, task in enumerate(tasks):
+        (jobs_dir / "args" / str(i)).write_text("".join(f"{o}\0" for o in task.overrides))
     (jobs_dir / "layout.txt").write_text("".join(" ".join(map(str, t.layout)) + "\n"
                                                  for t in tasks))
     (jobs_dir / "workers.txt").write_text("".join(f"{t.workers}\n" for t in tasks))
@@ -320,6 +333,7 @@ def sbatch(script: Path, *, task: int | None = None) -> str:
     which the script reads from its first argument); return the job id."""
     argv = ["sbatch", "--parsable"]
     if task is not None:
-        argv.append(f"--output={script.parent / 'logs'}/%j_{task}.out")
+        logs = str(script.parent / "logs").replace("%", "%%")  # %j: Slurm's pattern
+        argv.append(f"--output={logs}/%j_{task}.out")
     out = slurm_command([*argv, str(script), *([] if task is None else [str(task)])])
     return out.strip().split(";")[0]
