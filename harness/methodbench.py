@@ -64,7 +64,7 @@ import pandas as pd
 from harness import config
 from harness import run as harness_run
 from harness.config import checks, paths
-from harness.config.schema import ENGINES, REPO
+from harness.config.schema import ENGINES
 from harness.launch.launcher import launch
 from harness.measure import progress, results
 from methods.layout import NODE_REDUCES
@@ -77,7 +77,6 @@ TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"],
          UNMETERED: ["run.method_host=false"]}
 # what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
 # scheduling over per-tensor all-reduce
-REFERENCE = REPO.parent / "shared" / "reference" / "shi2020_fig4_ib100.csv"
 # the simulator's sweeps timed by --simulate, with their targets in seconds (issue 25)
 SIMULATIONS = {"paper": (["experiment=paper", "network=ib100_rdma"], 2.0),
                "whatif": (["experiment=whatif"], 30.0)}
@@ -115,9 +114,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="lift the machine-fit limits (run.force=true of every run)")
     parser.add_argument("--simulate", action="store_true",
                         help="time the simulator's paper and what-if sweeps instead")
-    parser.add_argument("--reference", default=str(REFERENCE),
+    parser.add_argument("--reference", default="study",
                         help="published throughputs to calibrate and validate the paper "
-                             "sweep on (--simulate; skipped when the file is absent)")
+                             "sweep on (--simulate): a CSV, or study (the default: "
+                             "conf/reference/shi2020_ib100.csv)")
     return parser.parse_args(argv)
 
 
@@ -292,7 +292,7 @@ def simulations(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str
     """The simulator's command lines timed by --simulate, with their targets in seconds."""
     sims = {name: ([*overrides, f"results_dir={out / name}"], target)
             for name, (overrides, target) in SIMULATIONS.items()}
-    if Path(args.reference).is_file():
+    if Path(paths.named_file(args.reference)).is_file():
         sims["paper"][0].extend([f"simulate.reference={args.reference}",
                                  f"simulate.calibrate={args.reference}"])
     return sims

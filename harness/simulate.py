@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 
 from harness import config
-from harness.config import checks
+from harness.config import checks, paths
 from harness.predict import calibrate
 from harness.predict.sweep import predict_sweep, write
 
@@ -54,10 +54,12 @@ def main(argv: list[str]) -> int:
                 f"simulate.trace=true writes a timeline per configuration, and this sweep has "
                 f"{len(cfgs)} (at most {MAX_TRACES}); choose fewer, e.g. with model=, method= "
                 "and cluster.nodes= overrides")
-        ref = (calibrate.read_cells(f"simulate.reference={sim.reference}", sim.reference, cfgs)
+        ref = (calibrate.read_cells(f"simulate.reference={sim.reference}",
+                                    paths.named_file(sim.reference), cfgs)
                if sim.reference else None)
-        measured = (calibrate.read_cells(f"simulate.calibrate={sim.calibrate}", sim.calibrate,
-                                         cfgs) if sim.calibrate else None)
+        measured = (calibrate.read_cells(f"simulate.calibrate={sim.calibrate}",
+                                         paths.named_file(sim.calibrate), cfgs)
+                    if sim.calibrate else None)
         fitted_on = (calibrate.fit_cells(measured, sim.calibrate_gpus)
                      if measured is not None else measured)
         raw = predict_sweep(cfgs)

@@ -38,6 +38,7 @@ from harness import config
 from harness.config import checks
 from harness.config.frozen import thaw
 from harness.config.ranks import num_servers, num_workers
+from harness.config.schema import step_ending
 from harness.launch.slurm import (
     Shape,
     Task,
@@ -55,7 +56,7 @@ from harness.measure import results
 
 SUBMIT_KEYS = ("dry_run",)
 IDENTITY = ("model", "method", "engine", "nodes", "workers_per_node", "servers", "network",
-            "local_batch_size", "warmup_iters", "timed_iters", "sync_each_step")
+            "local_batch_size", "warmup_iters", "timed_iters", "sync_each_step", "rate")
 SECTIONS = ("model", "method", "network")  # whole: any key of them overridden is another run
 
 
@@ -85,7 +86,7 @@ def identity(cfg: DictConfig) -> tuple:
     return (cfg.model.name, cfg.method.name, cfg.engine, cfg.cluster.nodes,
             cfg.cluster.workers_per_node, num_servers(cfg), cfg.network.name,
             cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters,
-            cfg.run.sync_each_step, _sections(thaw(cfg)))
+            step_ending(cfg.run), cfg.run.rate, _sections(thaw(cfg)))
 
 
 def _sections(tree: dict) -> str:

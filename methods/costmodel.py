@@ -37,8 +37,8 @@ def least_squares(nbytes: list[float], seconds: list[float]) -> Cost:
 
 
 # MG-WFBP's alpha (s) and beta (s/byte) as the study ran it: hard-coded per worker count and
-# network family (ddl-benchmarks mgwfbp/hv_distributed_optimizer.py; rdma=1 is IB, rdma=0
-# the TCP of both Ethernet networks), not fitted at run time.
+# network family (ddl-benchmarks mgwfbp/hv_distributed_optimizer.py: --rdma picks IB), not
+# fitted at run time.
 COSTS = ("fitted", "study")  # MG-WFBP's cost: fitted on the run, or the study's table
 STUDY_COSTS = {
     "ib": {2: (2.555e-6, 9.838e-11), 4: (4.204e-5, 2.059e-10), 8: (9.754e-5, 3.057e-10),
@@ -48,18 +48,27 @@ STUDY_COSTS = {
 }
 
 
+# the table each of the study's networks read: its runs passed --rdma (the IB table) on the
+# InfiniBand network (rdma=1) and on "100GbE" (rdma=2: TCP over the same IB NICs); only
+# 10GbE (rdma=0) read the TCP table (ddl-benchmarks mgwfbp/horovod_mpi_cj.sh)
+STUDY_TABLE = {"ib100_rdma": "ib", "eth100_tcp": "ib", "eth10_tcp": "tcp"}
+
+
 def network_family(network: str | None) -> str:
-    """The study's table a network reads: IB for an InfiniBand profile (ib*), else TCP."""
-    return "ib" if (network or "").startswith("ib") else "tcp"
+    """The study's table a network reads: the study's own choice for its three networks,
+    else IB for an InfiniBand profile (ib*) and TCP for the rest."""
+    name = network or ""
+    return STUDY_TABLE.get(name) or ("ib" if name.startswith("ib") else "tcp")
 
 
-def study_cost(network: str | None, workers: int, *,
+def study_cost(network: str | None, workers: int, *, table: str | None = None,
                fix: str = "use method.planner.cost=fitted (measured on this run)") -> Cost:
-    """The study's all-reduce cost for `workers` on `network`'s family; one worker sends
-    nothing. ValueError for a count the study's table lacks, ending with `fix`."""
+    """The study's all-reduce cost for `workers` from its `table` (ib or tcp; None: the
+    `network`'s family); one worker sends nothing. ValueError for a count the study's
+    table lacks, ending with `fix`."""
     if workers == 1:
         return Cost(alpha=0.0, beta=0.0)
-    table = STUDY_COSTS[network_family(network)]
+    table = STUDY_COSTS[table or network_family(network)]
     if workers not in table:
         raise ValueError(f"MG-WFBP's cost=study has the study's alpha and beta for "
                          f"{', '.join(map(str, table))} workers, not {workers}; {fix}")

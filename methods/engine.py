@@ -91,7 +91,8 @@ class Engine(Method):
         self.profiler = None
         flat = self.buffer.flat
         if self.planner.cost_from == "study":  # the study's table, as its merges used
-            cost = study_cost(self.planner.network, dist.get_world_size(group))
+            cost = study_cost(self.planner.network, dist.get_world_size(group),
+                              table=self.planner.table)
         else:
             cost = fit_allreduce_cost(group, sizes=self.planner.fit_sizes,
                                       repeats=self.planner.fit_repeats, dtype=flat.dtype,

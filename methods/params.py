@@ -78,6 +78,7 @@ class MergedGroupsArgs:
     fit_sizes: list[int] | None = None
     fit_repeats: int = 10
     cost: str = "fitted"  # fitted on the run, or study: the study's alpha/beta table
+    table: str | None = None  # cost=study: ib or tcp; None: the network's (costmodel.py)
 
 
 @dataclass(frozen=True)

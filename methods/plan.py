@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from methods.costmodel import COSTS, Cost
+from methods.costmodel import COSTS, STUDY_COSTS, Cost
 
 SMALL_TENSOR_ELEMENTS = 8192  # MG-WFBP always merges groups smaller than this
 
@@ -188,20 +188,23 @@ class MergedGroups:
 
     The engine runs the first `profile_iters` iterations with one bucket after
     backward while it records when each gradient is ready, takes the all-reduce cost
-    (`cost`: fitted on the workers' group, or the study's table for the `network`'s
-    family and the worker count), agrees on both across ranks, and then asks
+    (`cost`: fitted on the workers' group, or the study's `table`, by default the
+    `network`'s, for the worker count), agrees on both across ranks, and then asks
     `plan_measured` for the groups.
     """
 
     def __init__(self, *, profile_iters: int = 5, fit_sizes: list[int] | None = None,
-                 fit_repeats: int = 10, cost: str = "fitted", network: str | None = None
-                 ) -> None:
+                 fit_repeats: int = 10, cost: str = "fitted", table: str | None = None,
+                 network: str | None = None) -> None:
         if profile_iters < 1:
             raise ValueError(f"planner profile_iters={profile_iters} is invalid; it must be >= 1")
         if cost not in COSTS:
             raise ValueError(f"planner cost={cost!r} is invalid; choose fitted (measured on "
                              "the run) or study (the study's alpha and beta table)")
-        self.cost_from, self.network = cost, network
+        if table not in (None, *STUDY_COSTS):
+            raise ValueError(f"planner table={table!r} is invalid; choose ib, tcp, or null "
+                             "(the network's: the study's own choice for its networks)")
+        self.cost_from, self.network, self.table = cost, network, table
         self.profile_iters = profile_iters
         self.fit_sizes = fit_sizes
         self.fit_repeats = fit_repeats

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE = REPO.parent / "shared" / "reference"
+# the study's published numbers, the project's own copy (conf/reference/README.md)
+STUDY = REPO / "conf" / "reference" / "shi2020_ib100.csv"
 
 # A run small enough for a 2-core test machine: few iterations, one repeat.
 TINY = ["run.warmup_iters=1", "run.timed_iters=2", "run.repeats=1", "run.timeout_s=60"]

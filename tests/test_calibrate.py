@@ -10,10 +10,9 @@ import pandas as pd
 import pytest
 
 from harness.predict import calibrate, model, sweep
-from tests.conftest import REFERENCE, run_module
+from tests.conftest import STUDY, run_module
 from tests.test_simulate import ALPHA, BETA, cfg, compute, net
 
-STUDY = REFERENCE / "shi2020_fig4_ib100.csv"
 NONE = {t.name: 0.0 for t in calibrate.TERMS}
 
 
@@ -102,11 +101,6 @@ def test_bad_calibration_is_one_line_before_anything_runs(setting, message, tmp_
     assert len(out.stderr.strip().splitlines()) == 1 and not list(tmp_path.glob("*.parquet"))
 
 
-needs_study = pytest.mark.skipif(not STUDY.exists(),
-                                 reason="../shared/reference is not beside the repository")
-
-
-@needs_study
 def test_no_cell_at_the_asked_gpu_count_is_an_error(tmp_path) -> None:
     out = run_module("harness.simulate", "experiment=paper", "network=ib100_rdma",
                      f"simulate.calibrate={STUDY}", "simulate.calibrate_gpus=[64]",
@@ -121,12 +115,11 @@ def _figures(stdout: str, kind: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line)}
 
 
-@needs_study
 def test_fitted_on_one_node_the_study_is_predicted_on_the_others(tmp_path) -> None:
     """Issue 15's targets on ib100_rdma: fitted on the 21 cells at 4 GPUs, validated on
     the 63 at 8-32; the other networks from their facts and the same costs."""
     out = run_module("harness.simulate", "experiment=paper",
-                     "network=ib100_rdma,eth100_tcp,eth10_tcp", f"simulate.calibrate={STUDY}",
+                     "network=ib100_rdma,eth100_tcp,eth10_tcp", "simulate.calibrate=study",
                      "simulate.advise=true", f"results_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     assert "calibrated on 21 measured cells (bert_base at 4 GPUs, bert_large at 4 GPUs, " \

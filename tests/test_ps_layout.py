@@ -74,7 +74,7 @@ def test_every_key_of_resnet50_hashes_as_bytepss_cpp(tmp_path) -> None:
 
 @pytest.mark.parametrize("servers, hashed", [(2, 1.06), (4, 1.43), (8, 1.62)])
 def test_resnet50_server_load_is_the_studys(servers: int, hashed: float) -> None:
-    # ../shared/reference: BytePS's djb2 loads the busiest server 1.06, 1.43, 1.62 x the mean
+    # conf/reference/README.md: BytePS's djb2 loads the busiest server 1.06, 1.43, 1.62 x the mean
     shape = ["model=resnet50", "method=wfbp_ps", f"cluster.nodes={servers}"]
     assert _plan(*shape)["ps"]["busiest_over_mean"] == pytest.approx(hashed, abs=0.005)
     balanced = _plan(*shape, "method.transport.assignment=balanced")

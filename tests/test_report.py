@@ -16,9 +16,10 @@ from matplotlib.container import BarContainer
 from harness.measure import results
 from harness.report import __main__ as command
 from harness.report import data, figures, style
+from tests.conftest import STUDY as STUDY_CSV
 
 REPO = Path(__file__).resolve().parents[1]
-STUDY_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "shi2020_fig4_ib100.csv"
+
 METHODS = ["bsp_a2a", "wfbp_a2a", "mgwfbp", "ddp"]
 SIZES = [2, 4, 8]
 # Per-method scaling efficiency of the synthetic data: distinct, so the best method is known.
@@ -146,27 +147,30 @@ def test_a_method_on_another_engine_is_a_method_of_its_own(tmp_path):
     assert cells.loc[("wfbp_a2a", 2), "mean"] == pytest.approx(expected(native, "wfbp_a2a", 2)[0])
 
 
-def test_a_cell_averaging_different_configurations_is_named_with_the_keys(tmp_path, capsys):
+def test_runs_of_different_configurations_are_series_of_their_own(tmp_path, capsys):
     scatter = json.dumps({"method": {"name": "wfbp_a2a", "transport": {"node_reduce": "scatter"}},
                           "model": {"name": "toy"}, "network": {"name": "loopback"}})
     root = scatter.replace('"scatter"', '"root"')
     rows = [row("single", 1, 0, 10.0, config_json=scatter)]
-    rows += [row("wfbp_a2a", 2, r, 15.0, config_json=text, run_id=f"w{r}")
+    rows += [row("wfbp_a2a", 2, r, 15.0 + r, config_json=text, run_id=f"w{r}")
              for r, text in enumerate([scatter, scatter, root])]
-    rows += [row("wfbp_a2a", 4, r, 25.0, config_json=scatter, sync_each_step=r == 1,
-                 run_id=f"s{r}") for r in range(2)]
+    rows += [row("wfbp_a2a", 4, r, 25.0 + r, config_json=scatter, run_id=f"s{r}",
+                 sync_each_step="device" if r == 1 else "false") for r in range(2)]
     rows += [row("mgwfbp", 2, r, 16.0, config_json=scatter, run_id=f"m{r}") for r in range(2)]
-    write(tmp_path / "results", rows)
+    cells = cells_of(rows, tmp_path).set_index(["method", "world_size"])["mean"].to_dict()
+    # never averaged: each configuration of wfbp_a2a a series (a bar, a legend entry) of its
+    # own, named by what tells it from the others; mgwfbp ran one and keeps its name
+    assert cells == pytest.approx({
+        ("single", 1): 10.0, ("mgwfbp", 2): 16.0,
+        ("wfbp_a2a [transport.node_reduce=scatter, sync_each_step=false]", 2): 15.5,
+        ("wfbp_a2a [transport.node_reduce=root, sync_each_step=false]", 2): 17.0,
+        ("wfbp_a2a [transport.node_reduce=scatter, sync_each_step=false]", 4): 25.0,
+        ("wfbp_a2a [transport.node_reduce=scatter, sync_each_step=device]", 4): 26.0})
     assert command.main([f"results_dir={tmp_path / 'results'}",
                          f"out_dir={tmp_path / 'plots'}"]) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "averages" in line]
-    assert warnings == [
-        "ddlbench: warning: toy wfbp_a2a at 2 workers (loopback, measured) averages runs of "
-        "different configurations (method.transport.node_reduce: root, scatter); give each its "
-        "own results_dir to compare them",
-        "ddlbench: warning: toy wfbp_a2a at 4 workers (loopback, measured) averages runs of "
-        "different configurations (run.sync_each_step: False, True); give each its own "
-        "results_dir to compare them"]
+    assert "averages" not in capsys.readouterr().err
+    summary = (tmp_path / "plots" / "summary.md").read_text()
+    assert "wfbp_a2a [transport.node_reduce=root, sync_each_step=false]" in summary
 
 
 def test_sources_and_networks_are_kept_apart_with_their_own_baseline(tmp_path):
@@ -365,10 +369,9 @@ def test_no_data_or_bad_arguments_exit_2_with_one_line(tmp_path, args, problem):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(not STUDY_CSV.exists(), reason="../shared/reference is not present")
 def test_reference_alone_reproduces_the_studys_headline_speedups(tmp_path):
-    out = tmp_path / "plots"
-    proc = run_cli(f"results_dir={tmp_path / 'none'}", f"out_dir={out}", f"reference={STUDY_CSV}")
+    out = tmp_path / "plots"  # the study's numbers by their short name
+    proc = run_cli(f"results_dir={tmp_path / 'none'}", f"out_dir={out}", "reference=study")
     assert proc.returncode == 0, proc.stderr
     md = (out / "summary.md").read_text()
     best = md.split("## Best method")[1].split("##")[0]

@@ -107,9 +107,10 @@ def methods_on(transport: str) -> list[str]:
                   if OmegaConf.select(OmegaConf.load(p), "transport.name") == transport)
 
 
-def check_engine(cfg: Config) -> None:
+def check_engine(cfg: Config, *, load: bool = True) -> None:
     """The engine is known and fits the method: Horovod runs all-reduce methods only, with
-    sane settings, and must load here (harness.config.engine.problem)."""
+    sane settings, and (`load`: the run starts here) must load here
+    (harness.config.engine.problem)."""
     import methods
     from harness.config import engine as horovod
 
@@ -132,7 +133,7 @@ def check_engine(cfg: Config) -> None:
         methods.check(methods.on_engine(thaw(cfg.method), cfg.engine))
     except (ValueError, KeyError) as exc:
         raise ConfigError(first_line(exc)) from None
-    reason = horovod.problem(device=resolve_device(cfg.cluster))
+    reason = horovod.problem(device=resolve_device(cfg.cluster)) if load else None
     if reason:
         raise ConfigError(reason)
 

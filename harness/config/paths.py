@@ -1,14 +1,24 @@
 """Output paths, checked before anything starts: never made here, never the current folder
 by accident, never through a symbolic link to nothing. `config.validate` checks
 results_dir; commands with outputs of their own (report's out_dir, submit's jobs_dir,
-methodbench's --results-dir, plan's --json) call these before they start."""
+methodbench's --results-dir, plan's --json) call these before they start. And the input
+files the project carries, by short name (`reference=study`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from harness.config.schema import ConfigError
+from harness.config.schema import CONF_DIR, ConfigError
+
+# files of the project a user names by a short name: the study's published numbers
+NAMED = {"study": CONF_DIR / "reference" / "shi2020_ib100.csv"}
+
+
+def named_file(value: str | os.PathLike) -> str:
+    """`value` as a path: a short name of NAMED is the project's file, anything else a
+    path as given."""
+    return str(NAMED.get(str(value), value))
 
 
 def output_dir(key: str, path: str | os.PathLike, *, example: str = "results") -> None:

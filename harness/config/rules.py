@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from harness.config import checks, paths
 from harness.config.frozen import Config, Frozen, assign, select, thaw
 from harness.config.ranks import num_workers
-from harness.config.schema import OPTIMIZERS, ConfigError, first_line
+from harness.config.schema import CLOCKS, OPTIMIZERS, RATES, ConfigError, first_line, step_ending
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -53,6 +53,11 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
     for name in ("model.optimizer.lr", "model.optimizer.momentum", "model.optimizer.weight_decay"):
         _positive(name, select(cfg, name), zero_ok=True)
+    if step_ending(cfg.run) not in CLOCKS:
+        raise ConfigError(f"run.sync_each_step={cfg.run.sync_each_step!r} is invalid; choose "
+                          "one of: false (ours), device (the study's torch.cuda.synchronize), "
+                          "drain (every piece and update done, then synchronized)")
+    _one_of("run.rate", cfg.run.rate, RATES)
     _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
     _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
     _once(checked, _check_model, cfg.model)
@@ -60,7 +65,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     _check_servers(cfg.method, cfg.cluster)
     _check_study_cost(cfg, simulate=simulate)
     checks.check_cluster(cfg)
-    checks.check_engine(cfg)
+    checks.check_engine(cfg, load=not simulate)
     _once(checked, checks.check_network, cfg.network)
     _once(checked, _results_dir, cfg.results_dir)
     if simulate:  # only measured compute runs processes here (as many as the run has)
@@ -153,7 +158,8 @@ def as_simulated(cfg: Frozen) -> Frozen:
     _one_of("simulate.mgwfbp_cost", cost, (*COSTS, "null (method.planner.cost)"))
     if cfg.method.planner.get("name") != "mgwfbp":
         return cfg
-    return assign(cfg, "method.planner.cost", cost)
+    # simulated, the study's table is the one of the network simulated (its --rdma flag)
+    return assign(assign(cfg, "method.planner.cost", cost), "method.planner.table", None)
 
 
 def _check_study_cost(cfg: Config, *, simulate: bool) -> None:
@@ -165,7 +171,8 @@ def _check_study_cost(cfg: Config, *, simulate: bool) -> None:
     by_simulate = simulate and cfg.simulate.mgwfbp_cost == "study"  # experiment=paper sets it
     fix = {"fix": "set simulate.mgwfbp_cost=fitted to merge on the fitted cost"}
     try:
-        study_cost(cfg.network.name, num_workers(cfg), **(fix if by_simulate else {}))
+        study_cost(cfg.network.name, num_workers(cfg), table=cfg.method.planner.get("table"),
+                   **(fix if by_simulate else {}))
     except ValueError as exc:
         where = "simulate.mgwfbp_cost=study: " if by_simulate else ""
         raise ConfigError(f"{where}{exc}") from None

@@ -16,7 +16,19 @@ from omegaconf import DictConfig
 REPO = Path(__file__).resolve().parents[2]  # the checkout: conf/, slurm/, models/
 CONF_DIR = REPO / "conf"
 GROUPS = ("model", "method", "cluster", "network", "experiment")
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+# run.sync_each_step, how each step ends: false (ours: nothing waits), device (the study's
+# Horovod-family scripts: torch.cuda.synchronize()), drain (every piece and update done,
+# then the device synchronized); true is drain, as it was before device existed
+CLOCKS = ("false", "device", "drain")
+RATES = ("window", "study")  # run.rate: the row's throughput statistic
+
+
+def step_ending(run: Any) -> str:
+    """How each step of `run` (the run section) ends: one of CLOCKS, or the value as given
+    when it is none of them (checked by config.validate)."""
+    value = str(run.sync_each_step).lower()
+    return "drain" if value == "true" else value
 ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives
 
 
@@ -125,7 +137,8 @@ class RunConf:
     tf32_matmul: bool = False    # torch's defaults: matmul in full fp32,
     tf32_cudnn: bool = True      # cuDNN convolutions in TF32,
     cudnn_benchmark: bool = False  # no cuDNN autotuning
-    sync_each_step: bool = False  # true: the study's clock, a drain at each step's end
+    sync_each_step: str = "false"  # false | device | drain (CLOCKS; true = drain)
+    rate: str = "window"  # window: samples over the slowest rank's window | study (RATES)
     method_host: bool = True  # time the method's host work and waits (methods/hostmeter.py)
     trace: bool = False  # after each repeat's window, trace an iteration (measure/timeline.py)
     fault: FaultConf = field(default_factory=FaultConf)
@@ -150,6 +163,8 @@ class SimulateConf:
     compute: str = "measured"   # measured (profile this machine) | a GPU named in `gpus`
     gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}
     flop_per_byte: dict[str, Any] = field(default_factory=dict)  # GPU -> FLOP/s per byte/s
+    # model -> the optimizer its `gpus` throughputs were measured with (others: the model's)
+    gpus_optimizer: dict[str, Any] = field(default_factory=dict)
     mgwfbp_cost: str | None = None  # MG-WFBP's cost when simulated; null: method.planner.cost
     profile_iters: int = 5
     iterations: int = 6

@@ -25,11 +25,12 @@ from torch import nn
 import methods
 import models
 from harness.config.ranks import num_workers
+from harness.config.schema import step_ending
 from harness.launch.rank import Context
 from harness.measure import results, timeline, traces
 from harness.measure.progress import Progress
 from harness.measure.results import identity
-from harness.measure.timing import PHASES, Clock, timed_window
+from harness.measure.timing import PHASES, Clock, study_rate, timed_window
 from methods.base import device_sync
 from methods.hostmeter import HostMeter
 
@@ -39,7 +40,8 @@ def make_optimizer(model: nn.Module, conf: DictConfig) -> torch.optim.Optimizer:
     if conf.name == "sgd":
         return torch.optim.SGD(params, lr=conf.lr, momentum=conf.momentum,
                                weight_decay=conf.weight_decay)
-    return torch.optim.AdamW(params, lr=conf.lr, weight_decay=conf.weight_decay)
+    adam = torch.optim.Adam if conf.name == "adam" else torch.optim.AdamW
+    return adam(params, lr=conf.lr, weight_decay=conf.weight_decay)
 
 
 def batch_generator(seed: int, rank: int, step: int = 0) -> torch.Generator:
@@ -71,15 +73,16 @@ def build(cfg: DictConfig, ctx: Context, *, seed: int) -> tuple[nn.Module, metho
 
 
 def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.optim.Optimizer,
-                    batch: models.Batch, clock: Clock, *, sync_on: torch.device | None = None
-                    ) -> None:
+                    batch: models.Batch, clock: Clock, *, ending: str = "false",
+                    device: torch.device | None = None) -> None:
     """One training iteration, marking `clock` after forward, backward and synchronize.
 
-    `sync_on` (run.sync_each_step): the study's clock. Its benchmark_step ended in
-    torch.cuda.synchronize(), which waited for the communication still in flight, so a
-    method whose communication and updates overlap the next forward (ByteScheduler) lost
-    that overlap in the study's numbers: here the step ends with the method drained (every
-    piece and update done) and the device synchronized, on CPUs too.
+    `ending` (run.sync_each_step) is how the step ends: `false`, nothing waits (ours: the
+    window's end waits once); `device`, the study's Horovod-family clock, its
+    benchmark_step's torch.cuda.synchronize() on `device`, which waits for the GPU work
+    already queued and for nothing held back (ByteScheduler's pieces waiting for credit,
+    updates not yet launched), a no-op on CPUs; `drain`, the method drained (every piece
+    and update done), then the device synchronized, on CPUs too.
 
     The method's meter times its calls here (the user's optimizer.step is update_s, not
     the method's); its hooks and waits inside forward and backward time themselves."""
@@ -92,9 +95,10 @@ def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.o
     clock.mark()
     method.step(optimizer)
     meter.call(method.zero_grad)
-    if sync_on is not None:
+    if ending == "drain":
         meter.wait(method.drain)
-        device_sync(sync_on)
+    if ending != "false":
+        device_sync(device)
 
 
 def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
@@ -150,7 +154,7 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         model_of(model).make_batch(cfg.model.local_batch_size,
                                    batch_generator(cfg.run.seed, ctx.rank)), ctx.device)
 
-    sync_on = ctx.device if cfg.run.sync_each_step else None
+    ending = step_ending(cfg.run)
     # rank 0 shows the repeat's progress once it takes 5 s: an update costs < 1 us a step
     shown = Progress(cfg.run.warmup_iters + cfg.run.timed_iters, unit="iterations",
                      desc=f"[{ctx.run_id}] repeat {ctx.repeat + 1}/{cfg.run.repeats}",
@@ -161,7 +165,8 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         ctx.beat(f"iteration {done - first}")
         inject_fault(cfg.run.fault, rank=ctx.rank, iteration=done)
         done += 1
-        train_iteration(model, method, optimizer, batch, clock, sync_on=sync_on)
+        train_iteration(model, method, optimizer, batch, clock, ending=ending,
+                        device=ctx.device)
         if shown is not None:
             shown.update()
 
@@ -176,11 +181,13 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
     ctx.beat("gathering the timings")
     iters, meter = cfg.run.timed_iters, method.meter
     host = (meter.host_s / iters, meter.wait_s / iters) if meter.on else (None, None)
+    study = study_rate(window.host_starts, samples_per_step=ctx.num_workers
+                       * cfg.model.local_batch_size)
     per_rank = _gather((window.seconds, window.iter_times, window.phases,
-                        peak_memory(ctx.device), host), ctx)
+                        peak_memory(ctx.device), host, study), ctx)
     if cfg.run.trace:
-        trace_repeat(cfg, ctx, per_rank, method, lambda clock: train_iteration(
-            model, method, optimizer, batch, clock, sync_on=sync_on))
+        trace_repeat(cfg, ctx, per_rank, method, lambda marks: train_iteration(
+            model, method, optimizer, batch, marks, ending=ending, device=ctx.device))
     plan = method.plan()
     if meter.on and method.units:  # this rank's; every rank runs the same plan
         plan["hook_s_per_unit"] = meter.per_unit([u.params for u in method.units], iters)
@@ -245,12 +252,14 @@ def _gather(obj, ctx: Context) -> list:
 
 def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: list,
          plan: dict, info: dict) -> dict:
-    windows, rank_iters, phases, memory, host = zip(*per_rank)
+    windows, rank_iters, phases, memory, host, study = zip(*per_rank)
     phase_means = torch.tensor(phases, dtype=torch.float64).mean(dim=(0, 1))
     samples = ctx.num_workers * cfg.model.local_batch_size * cfg.run.timed_iters
+    rates = {"window": samples / max(windows), "study": study[0]}  # the study's: rank 0's
     return {
         **identity(cfg, run_id=ctx.run_id, repeat=repeat), **info,
-        "throughput": samples / max(windows), "timed_s": max(windows),
+        "throughput": rates[cfg.run.rate], "throughput_window": rates["window"],
+        "throughput_study": rates["study"], "timed_s": max(windows),
         "iter_times_s": [max(ts) for ts in zip(*rank_iters)],
         "rank_iter_times_s": list(rank_iters),
         **dict(zip(PHASES, phase_means.tolist())),

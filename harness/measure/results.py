@@ -25,7 +25,7 @@ from harness.config import engine as horovod
 from harness.config.cache import installed_version
 from harness.config.frozen import Config, to_json
 from harness.config.ranks import num_servers, num_workers
-from harness.config.schema import REPO, first_line
+from harness.config.schema import REPO, first_line, step_ending
 
 # Column groups of a result row. Every shard carries all of them (missing
 # values are null), so frames from different runs concatenate cleanly.
@@ -34,9 +34,12 @@ IDENTITY = [
     "servers", "repeat", "local_batch_size", "source",
 ]
 MODEL_INFO = ["model_params", "model_tensors", "model_intensity"]
-PARAMETERS = ["warmup_iters", "timed_iters", "seed", "sync_each_step"]
+PARAMETERS = ["warmup_iters", "timed_iters", "seed", "sync_each_step", "rate"]
+# throughput: the statistic run.rate names (its value in `rate`), each beside it: window,
+# samples over the slowest rank's window; study, the mean of 10-step rates on rank 0
 METRICS = [
-    "throughput", "timed_s", "iter_times_s", "rank_iter_times_s",
+    "throughput", "throughput_window", "throughput_study", "timed_s", "iter_times_s",
+    "rank_iter_times_s",
     "forward_s", "backward_s", "comm_s", "update_s", "peak_memory_bytes",
     "method_host_s", "method_wait_s",
 ]
@@ -62,8 +65,9 @@ SCHEMA = pa.schema([
     ("model_params", pa.int64()), ("model_tensors", pa.int64()),
     ("model_intensity", pa.float64()),
     ("warmup_iters", pa.int64()), ("timed_iters", pa.int64()), ("seed", pa.int64()),
-    ("sync_each_step", pa.bool_()),
-    ("throughput", pa.float64()), ("timed_s", pa.float64()),
+    ("sync_each_step", pa.string()), ("rate", pa.string()),
+    ("throughput", pa.float64()), ("throughput_window", pa.float64()),
+    ("throughput_study", pa.float64()), ("timed_s", pa.float64()),
     ("iter_times_s", pa.list_(pa.float64())),
     ("rank_iter_times_s", pa.list_(pa.list_(pa.float64()))),
     ("forward_s", pa.float64()), ("backward_s", pa.float64()),
@@ -103,7 +107,7 @@ def identity(cfg: Config, *, run_id: str, repeat: int, stack: dict | None = None
         "servers": num_servers(cfg), "repeat": repeat,
         "local_batch_size": cfg.model.local_batch_size, "source": "measured",
         "warmup_iters": cfg.run.warmup_iters, "timed_iters": cfg.run.timed_iters,
-        "seed": cfg.run.seed, "sync_each_step": cfg.run.sync_each_step,
+        "seed": cfg.run.seed, "sync_each_step": step_ending(cfg.run), "rate": cfg.run.rate,
         "git_commit": git_commit(),
         **(software() if stack is None else stack),
         "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
@@ -168,7 +172,8 @@ def write_shard(path: str | os.PathLike, rows: Sequence[dict]) -> bool:
         unknown = set(row) - set(COLUMNS)
         if unknown:
             raise KeyError(f"result row has unknown columns {sorted(unknown)}; known: {COLUMNS}")
-    table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=SCHEMA)
+    table = pa.Table.from_pylist([{c: _null(r.get(c)) for c in COLUMNS} for r in rows],
+                                 schema=SCHEMA)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:  # a full disk leaves no partial file: neither a shard nor a temporary one
@@ -258,8 +263,22 @@ def _frame(table: pa.Table) -> pd.DataFrame:
               "once", file=sys.stderr)
         frame = frame[~twice].reset_index(drop=True)
     frame["engine"] = frame["engine"].fillna("native")
-    frame["sync_each_step"] = frame["sync_each_step"].astype("boolean").fillna(False).astype(bool)
+    frame["sync_each_step"] = frame["sync_each_step"].map(_ending)
+    frame["rate"] = frame["rate"].fillna("window")
     return frame
+
+
+def _null(value):
+    """A missing value as null: rows made from a data frame hold NaN where a column was
+    missing (a native run's Horovod version beside a Horovod run's)."""
+    return None if isinstance(value, float) and value != value else value
+
+
+def _ending(value) -> str:
+    """run.sync_each_step as a row says it: shards from before `device` wrote a bool
+    (true: drained and synchronized) or nothing."""
+    text = "false" if value is None or value != value else str(value).lower()
+    return {"true": "drain"}.get(text, text)
 
 
 def _not_a_shard(path: Path) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -52,6 +52,23 @@ class Window:
     seconds: float  # host clock: from the barrier to drained and synchronized
     iter_times: list[float]
     phases: list[list[float]]  # per iteration, the PHASES; [] when the steps mark nothing
+    host_starts: list[float] = field(default_factory=list)  # host clock at each step's
+    # start, and once more when the last step returned (before the drain): the study's timeit
+
+
+def study_rate(host_starts: list[float], *, samples_per_step: float, steps: int = 10
+               ) -> float | None:
+    """The study's throughput statistic on one rank: the mean, over consecutive rounds of
+    `steps` steps timed on the host (timeit of 10 steps, 10 times: its benchmark scripts),
+    of each round's samples per second; `samples_per_step` is the whole cluster's (the
+    study multiplied local rank 0's rate by the world size). A window shorter than one
+    round is one round. None without host stamps."""
+    if len(host_starts) < 2:
+        return None
+    steps = min(steps, len(host_starts) - 1)
+    rounds = [host_starts[i + steps] - host_starts[i]
+              for i in range(0, len(host_starts) - steps, steps)]
+    return sum(samples_per_step * steps / s for s in rounds) / len(rounds)
 
 
 def timed_window(step: Callable[[Clock], None], *, iters: int, drain: Callable[[], None],
@@ -74,9 +91,12 @@ def timed_window(step: Callable[[Clock], None], *, iters: int, drain: Callable[[
     dist.barrier(group=group)
     clock = Clock(device)
     start = time.perf_counter()
+    host_starts = []
     for _ in range(iters):
+        host_starts.append(time.perf_counter())
         clock.mark()
         step(clock)
+    host_starts.append(time.perf_counter())
     clock.mark()
     drain()
     clock.mark()
@@ -89,4 +109,4 @@ def timed_window(step: Callable[[Clock], None], *, iters: int, drain: Callable[[
     phases = [gaps[i * per : (i + 1) * per] for i in range(iters)] if per == len(PHASES) else []
     if phases:
         phases[-1][PHASES.index("comm_s")] += gaps[-1]
-    return Window(seconds, iter_times, phases)
+    return Window(seconds, iter_times, phases, host_starts)

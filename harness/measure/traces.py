@@ -19,6 +19,7 @@ from typing import Any
 
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
+from harness.config.schema import step_ending
 
 PID = 1_000_000  # the harness's lanes, apart from the profiler's processes
 COMPUTE, COMM = 1, 2  # their thread ids; predicted links follow
@@ -35,7 +36,7 @@ def about(cfg: Config, *, source: str) -> dict[str, Any]:
     return {"source": source, "model": cfg.model.name, "method": cfg.method.name,
             "workers": num_workers(cfg), "nodes": cfg.cluster.nodes,
             "network": cfg.network.name, "local_batch_size": cfg.model.local_batch_size,
-            "sync_each_step": bool(cfg.run.sync_each_step)}
+            "sync_each_step": step_ending(cfg.run)}
 
 
 def meta(kind: str, tid: int, name: str) -> dict:

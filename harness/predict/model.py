@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
+from harness.config.schema import step_ending
 from harness.predict import profile
 from harness.predict.network import (
     ELEMENT_SIZE,
@@ -82,7 +83,7 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
         _log_units(comm, units, model.names, log)
     ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
                     fusion=fusion, iterations=cfg.simulate.iterations,
-                    drain=cfg.run.sync_each_step, log=log)
+                    ending=step_ending(cfg.run), log=log)
     steady = ends[1:] if len(ends) > 2 else ends
     iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
     exposed = max(0.0, iteration - compute.total_s)
@@ -120,12 +121,16 @@ def _log_units(comm, units: list[Unit], names: list[str], log: list) -> None:
 
 
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
-             cycle_s: float, fusion: int, iterations: int, drain: bool = False,
+             cycle_s: float, fusion: int, iterations: int, ending: str = "false",
              log: list | None = None) -> list[float]:
-    """The end of each iteration (its last update), simulated one after another. `drain`
-    (run.sync_each_step, the study's clock): each step ends once its communication and
-    updates are done, so none of them overlaps the next forward. `log`: see `predict`
-    (an iteration spans from its forward to the next one's)."""
+    """The end of each iteration (its last update), simulated one after another.
+    `ending` (run.sync_each_step) matters where communication outlives the step, under
+    ByteScheduler (every other method's step waits for its communication anyway): with
+    `drain` each step ends once its communication and updates are done, so none of them
+    overlaps the next forward; with `device` (the study's torch.cuda.synchronize() at
+    the step's end, the end of backward) it waits for the pieces already started, not
+    for those held back by credit or a cycle. `log`: see `predict` (an iteration spans
+    from its forward to the next one's)."""
     backward_ready = list(itertools.accumulate(compute.backward_s))
     nbytes = [u.numel * ELEMENT_SIZE for u in units]
     layers = max(compute.layer_of) + 1
@@ -159,8 +164,9 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
         else:
             unit_ready = [ready[p] for p in last]  # ready times never decrease
         if kind == "priority":
+            started = [math.inf] * len(units)
             done = _priority(units, unit_ready, comm, credit, cycle_s=cycle_s, fusion=fusion,
-                             keys=keys)
+                             keys=keys, started=started)
             updated = [0.0] * layers
             for layer, finish in zip(unit_layer, done):
                 if finish > updated[layer]:
@@ -172,7 +178,13 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
                 if log is not None:
                     log.append(("updates", f"update layer {layer}", free - layer_share[layer],
                                 free, {}))
-            t = max(layer_done) if drain else end_of_backward
+            t = end_of_backward
+            if ending == "drain":
+                t = max(layer_done)
+            elif ending == "device":  # the GPU work queued by then: pieces started
+                t = max([t, *(f for s, f in zip(started, done) if s <= end_of_backward)])
+                if log is not None and t > end_of_backward:
+                    log.append(("compute", "synchronize", end_of_backward, t, {}))
             ends.append(max(layer_done))
         else:
             done = comm.issue_all(nbytes, unit_ready)
@@ -194,11 +206,13 @@ def _keys(units: list[Unit]) -> tuple[list[int], list[tuple[int, int, int]]]:
 
 def _priority(units: list[Unit], ready: list[float], comm, credit: int, *,
               cycle_s: float = 0.0, fusion: int = 0,
-              keys: tuple[list[int], list[tuple[int, int, int]]] | None = None) -> list[float]:
+              keys: tuple[list[int], list[tuple[int, int, int]]] | None = None,
+              started: list[float] | None = None) -> list[float]:
     """ByteScheduler: the highest-priority ready units (input side first) go while any
     of `credit` elements is left, each alone; with `cycle_s`, those of one cycle start
     at its end, consecutive ones fused up to `fusion` elements (Priority._issue).
-    Returns each unit's finish (`keys`: `_keys(units)`, when the caller has them). An
+    Returns each unit's finish (`keys`: `_keys(units)`, when the caller has them), and
+    writes each unit's start into `started` when given. An
     event loop over arrivals, completions and cycle ticks, written for speed: the
     simulator spends most of its time here."""
     n = len(units)
@@ -223,6 +237,8 @@ def _priority(units: list[Unit], ready: list[float], comm, credit: int, *,
                 u = pop(queue)[2]
                 used += numel[u]
                 done[u] = finish = issue(u, numel[u] * ELEMENT_SIZE, now)
+                if started is not None:
+                    started[u] = now
                 push(flight, (finish, numel[u]))
                 soonest = min(soonest, finish)
             if soonest <= now:  # one is back already (it moved nothing): its credit is free
@@ -239,6 +255,8 @@ def _priority(units: list[Unit], ready: list[float], comm, credit: int, *,
                 finish = issue(members[0], elements * ELEMENT_SIZE, tick)
                 for u in members:
                     done[u] = finish
+                    if started is not None:
+                        started[u] = tick
                 push(flight, (finish, elements))
             batch = []
             continue

@@ -138,7 +138,7 @@ def mgwfbp_cost(cfg: Config, net: Network) -> Cost:
     and worker count (method.planner.cost=study), else alpha/beta fitted on `net`'s
     modelled all-reduce."""
     if cfg.method.planner.get("cost") == "study":
-        return study_cost(net.name, num_workers(cfg))
+        return study_cost(net.name, num_workers(cfg), table=cfg.method.planner.get("table"))
     return fitted_cost(net, nodes=cfg.cluster.nodes, per_node=cfg.cluster.workers_per_node)
 
 

@@ -66,18 +66,25 @@ class Compute:
                        self.update_s * factor, self.source)
 
 
-def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: float
-            ) -> Compute:
-    """Steps timed by their counted work, the iteration scaled to `local_batch / throughput` s."""
+def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: float,
+            measured_with: Config | None = None) -> Compute:
+    """Steps timed by their counted work at the GPU's speed: the speed at which the
+    model's iteration stepping `measured_with` (the optimizer `throughput` was measured
+    with; None: the model's own) takes `local_batch / throughput` seconds. So a run of
+    another optimizer has its own step's work at the same speed."""
     work = _work(model_cfg, flop_per_byte)
-    scaled = work.scaled(model_cfg.local_batch_size / throughput / work.total_s)
+    base = work if measured_with is None else _work(model_cfg, flop_per_byte, measured_with)
+    scaled = work.scaled(model_cfg.local_batch_size / throughput / base.total_s)
     return dataclasses.replace(scaled, source=f"counted:{gpu}")
 
 
-def _work(model_cfg: Config, flop_per_byte: float) -> Compute:
+def _work(model_cfg: Config, flop_per_byte: float, optimizer: Config | None = None
+          ) -> Compute:
     """The iteration's work per step in FLOPs, its memory-bound bytes counted as
-    `flop_per_byte` FLOPs each (from the cache when there)."""
-    build, optimizer = thaw(model_cfg.build), thaw(model_cfg.optimizer)
+    `flop_per_byte` FLOPs each (from the cache when there); stepping `optimizer`, by
+    default the model's."""
+    build = thaw(model_cfg.build)
+    optimizer = thaw(model_cfg.optimizer if optimizer is None else optimizer)
     key = [model_cfg.family, build, model_cfg.local_batch_size, optimizer, flop_per_byte]
     return Compute.of(cached(
         "work", key, lambda: trace.count_work(
@@ -99,7 +106,8 @@ class ComputeProfiles:
             if key not in self.cache:
                 self.cache[key] = counted(
                     model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute,
-                    flop_per_byte=sim.flop_per_byte[sim.compute])
+                    flop_per_byte=sim.flop_per_byte[sim.compute],
+                    measured_with=sim.gpus_optimizer.get(model.name))
             return self.cache[key]
         threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
         # every worker of a local or emulated cluster runs on this machine: profile as many

@@ -42,7 +42,6 @@ from harness.report.data import (
     failed_runs,
     load_rows,
     missing_cells,
-    mixed_cells,
     normalize,
     read_reference,
     reference_cells,
@@ -73,7 +72,8 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
     if results_dir is None or not str(results_dir).strip():
         raise ReportError("results_dir is empty; give the folder of the shards (e.g. "
                           "results_dir=results)")
-    published = reference_cells(read_reference(reference)) if reference else None
+    published = (reference_cells(read_reference(paths.named_file(reference)))
+                 if reference else None)
     start = time.perf_counter()
     rows, bad, n = load_rows(results_dir)  # as written: the page shows their provenance
     frame = normalize(rows)
@@ -91,8 +91,6 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
         f"in {time.perf_counter() - start:.1f}s"
     )
     results.warn(bad)
-    for line in mixed_cells(rows, frame):
-        _log(f"ddlbench: warning: {line}")
     if frame.empty:  # the reference alone: the study's own figures and numbers
         data, attempted, published = published, published, None
     else:

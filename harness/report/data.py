@@ -8,6 +8,7 @@ user can fix), which the command turns into one line and exit code 2.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -52,13 +53,13 @@ def _setting_id(frame: pd.DataFrame) -> pd.Series:
 
 
 def normalize(frame: pd.DataFrame) -> pd.DataFrame:
-    """The columns the report uses, typed; null network/source become 'n/a'. A method run
-    on another engine than the native one is a method of its own (`wfbp_a2a@horovod`)."""
+    """The columns the report uses, typed; null network/source become 'n/a'. A method's
+    runs of another configuration are a series of their own (`series`): on another
+    engine `wfbp_a2a@horovod`, with other settings `bsp_a2a [sync_each_step=device]`."""
     out = frame[
         [*CELL, "repeat", "run_id", "status", "error", "throughput", "model_intensity", *PHASES]
     ].copy()
-    other = frame["engine"].ne("native")  # results.load_report names every row's engine
-    out.loc[other, "method"] = out["method"][other] + "@" + frame["engine"][other]
+    out["method"] = series(frame)
     for col in ("model", "method", "network", "source", "status", "error", "run_id"):
         out[col] = out[col].astype("string")
     out[["network", "source"]] = out[["network", "source"]].fillna("n/a")
@@ -186,41 +187,41 @@ def missing_cells(frame: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
 
 
 
-def mixed_cells(rows: pd.DataFrame, frame: pd.DataFrame) -> list[str]:
-    """A line per cell whose ok rows (`frame`, normalized from `rows`) ran different
-    configurations: a key of the model, method or network section, or the clock
-    (run.sync_each_step). The report averages such rows into one bar; the line says which
-    keys differ and with what values."""
-    ok = frame[frame["ok"]]
-    if ok.empty:
-        return []
-    picked = rows.loc[ok.index]
-    run = pd.Series(list(zip(picked["config_json"].fillna("{}"), picked["sync_each_step"])),
-                    index=ok.index)
-    cell = ok[CELL].astype("string").fillna("?").agg("|".join, axis=1)
-    lines = []
-    for _, same in run.groupby(cell):
-        if same.nunique() < 2:
-            continue
-        variants = [_settings(*r) for r in dict.fromkeys(same)]
+def series(rows: pd.DataFrame) -> pd.Series:
+    """Each row's series: its method, `@engine` when not native (`wfbp_a2a@horovod`), and
+    in brackets the settings that tell it from the setting's other runs of that method
+    (`bsp_a2a [optimizer.name=sgd, sync_each_step=device]`): any key of the model, method
+    or network section, the clock (run.sync_each_step) or the rate (run.rate). Runs of
+    different configurations are never averaged into one bar: each is a series of its own."""
+    if rows.empty:
+        return rows["method"].astype("string")
+    engine = rows["engine"].fillna("native").astype(str)
+    label = rows["method"].astype("string") + ("@" + engine).where(engine.ne("native"), "")
+    keys = pd.Series([_settings(c, e, r) for c, e, r in zip(
+        rows["config_json"], rows["sync_each_step"], rows["rate"])], index=rows.index)
+    group = _setting_id(rows) + "|" + label.fillna("?")
+    for _, same in keys.groupby(group):
+        variants = list({json.dumps(v, sort_keys=True, default=str): v for v in same}.values())
         differ = sorted(k for k in set().union(*variants)
                         if len({repr(v.get(k)) for v in variants}) > 1)
-        if not differ:
-            continue
-        what = "; ".join(f"{k}: " + ", ".join(sorted({str(v.get(k)) for v in variants}))
-                         for k in differ)
-        c = ok.loc[same.index[0]]
-        lines.append(f"{c['model']} {c['method']} at {c['world_size']} workers ({c['network']}, "
-                     f"{c['source']}) averages runs of different configurations ({what}); "
-                     "give each its own results_dir to compare them")
-    return lines
+        if differ:
+            label[same.index] = label[same.index] + pd.Series(
+                [" [" + ", ".join(f"{k.split('.', 1)[-1]}={v.get(k)}" for k in differ) + "]"
+                 for v in same], index=same.index, dtype="string")
+    return label
 
 
-def _settings(config_json: str, synced: bool) -> dict[str, object]:
-    """A run's model, method and network keys (dotted) and its clock."""
-    tree = json.loads(config_json)
-    return {**dict(leaves({k: tree.get(k) for k in ("model", "method", "network")})),
-            "run.sync_each_step": bool(synced)}
+@functools.lru_cache(maxsize=4096)
+def _sections(config_json: str | None) -> tuple:
+    """A run's model, method and network keys (dotted), from its configuration."""
+    tree = json.loads(config_json or "{}")
+    return tuple(leaves({k: tree.get(k) for k in ("model", "method", "network")}))
+
+
+def _settings(config_json: str | None, ending, rate) -> dict[str, object]:
+    """What makes a run's configuration: its sections' keys, its clock and its rate."""
+    text = config_json if isinstance(config_json, str) else None
+    return {**dict(_sections(text)), "run.sync_each_step": ending, "run.rate": rate}
 
 
 def load_rows(results_dir: str | Path) -> tuple[pd.DataFrame, list[tuple[Path, str]], int]:
