@@ -6,10 +6,13 @@ import os
 import shutil
 
 import pytest
+from omegaconf import OmegaConf
 
 from harness import config, run
 from harness.config import checks, paths
 from harness.config import compose as composition
+from harness.config.frozen import freeze
+from harness.config.rules import as_simulated
 from tests.conftest import TINY, run_module
 
 
@@ -41,6 +44,8 @@ def test_sweep_jobs_load_as_if_composed_one_by_one() -> None:
     fast = config.load_all(jobs, simulate=True)
     for job, cfg in list(zip(jobs, fast))[::10]:
         one = composition._typed(config.compose_raw(job))  # Hydra applies every override itself
+        # as the simulator reads it (MG-WFBP on simulate.mgwfbp_cost: rules.as_simulated)
+        one = as_simulated(freeze(OmegaConf.to_container(one)))
         assert config.to_json(one) == config.to_json(cfg), job
 
 
@@ -131,6 +136,67 @@ def test_every_experiment_expands_to_valid_jobs() -> None:
         for job in jobs:
             if job not in simulated:
                 config.load([*job, "cluster=slurm"])
+
+
+def _settings(experiment: str) -> dict[tuple[str, str], set[tuple]]:
+    """Per (model, method) of an experiment's sweep, the settings its jobs run with."""
+    found: dict[tuple[str, str], set[tuple]] = {}
+    for cfg in config.load_all(config.sweep([f"experiment={experiment}", "cluster=slurm"])):
+        opt = cfg.model.optimizer
+        found.setdefault((cfg.model.name, cfg.method.name), set()).add((
+            opt.name, opt.momentum, opt.weight_decay, cfg.engine,
+            str(cfg.run.sync_each_step).lower(), cfg.run.rate,
+            cfg.model.build.get("vocab_size"), cfg.method.planner.get("cost")))
+    return found
+
+
+def test_the_paper_runs_each_method_as_the_studys_scripts_did() -> None:
+    found = _settings("paper")
+    ps, hvd = ("bsp_ps", "wfbp_ps", "bytescheduler_ps"), ("bsp_a2a", "wfbp_a2a", "mgwfbp")
+    sgd = ("sgd", 0.0, 0.0)
+    for model in ("resnet50", "bert_base", "bert_large"):
+        vocab = None if model == "resnet50" else 30528  # padded to a multiple of 8
+        bert = model != "resnet50"
+        for method in ps:  # byteps/: plain SGD, no synchronize
+            assert found[(model, method)] == {(*sgd, "native", "false", "study", vocab, None)}
+        for method in hvd:  # mgwfbp/: AdamW on BERT, torch.cuda.synchronize() each step
+            opt = ("adamw", 0.0, 0.01) if bert else sgd
+            cost = "study" if method == "mgwfbp" else None
+            assert (*opt, "horovod", "device", "study", vocab, cost) in found[(model, method)]
+        opt = ("adam", 0.0, 0.0) if bert else sgd  # bytescheduler/: Adam on BERT
+        assert found[(model, "bytescheduler_a2a")] == {
+            (*opt, "horovod", "device", "study", vocab, None)}
+    cfg = config.load(["experiment=paper", "cluster=slurm"])
+    assert not cfg.run.tf32_cudnn and not cfg.run.tf32_matmul and cfg.run.cudnn_benchmark
+    assert cfg.cluster.slurm.colocate_servers is False  # servers on machines of their own
+    mgwfbp = config.load(["experiment=paper", "cluster=slurm", "method=mgwfbp",
+                          "engine=horovod", "method.planner.cost=study",
+                          "method.planner.table=ib"])
+    assert mgwfbp.method.planner.table == "ib"
+
+
+def test_the_fair_paper_is_one_optimizer_per_model_on_our_engines_and_clock() -> None:
+    found = _settings("paper_fair")
+    assert len(found) == 3 * 7
+    for (model, _), settings in found.items():
+        name = "sgd" if model == "resnet50" else "adamw"
+        assert {(s[0], s[3], s[4], s[5]) for s in settings} == {(name, "native", "false",
+                                                                 "window")}
+
+
+def test_mgwfbp_merges_on_the_table_each_study_network_read() -> None:
+    from methods.costmodel import STUDY_COSTS, Cost, study_cost
+
+    ib, tcp = STUDY_COSTS["ib"][8], STUDY_COSTS["tcp"][8]
+    # the 100GbE runs passed --rdma: the IB table, as the InfiniBand runs; 10GbE, TCP
+    assert study_cost("eth100_tcp", 8) == study_cost("ib100_rdma", 8) == Cost(*ib)
+    assert study_cost("eth10_tcp", 8) == Cost(*tcp) != Cost(*ib)
+    assert study_cost("loopback", 8, table="ib") == Cost(*ib)  # a real run names its table
+    # simulated, the study's table is the network's, whatever a run named
+    sim = config.load(["experiment=paper", "network=eth10_tcp", "method=mgwfbp",
+                       "engine=horovod", "method.planner.cost=study", "method.planner.table=ib",
+                       "cluster.nodes=2"], simulate=True)
+    assert sim.method.planner.table is None and sim.method.planner.cost == "study"
 
 
 def test_the_what_if_sweep_is_every_model_method_network_and_gpu_count() -> None:

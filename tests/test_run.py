@@ -18,15 +18,18 @@ def _run(results_dir, *overrides: str, timeout: float = 300):
                       timeout=timeout)
 
 
-def test_the_studys_clock_drains_every_step_and_is_recorded(results_dir) -> None:
-    """run.sync_each_step: ByteScheduler's pieces and per-layer updates, which otherwise
-    overlap the next forward, are done when each step ends; the row says so."""
+def test_the_studys_clock_and_rate_are_recorded(results_dir) -> None:
+    """run.sync_each_step=true (= drain): ByteScheduler's pieces and per-layer updates,
+    which otherwise overlap the next forward, are done when each step ends; run.rate=study:
+    the row's throughput is the study's statistic, ours beside it; the row says both."""
     out = _run(results_dir, "method=bytescheduler_a2a", "cluster.workers_per_node=2",
-               "run.sync_each_step=true", "model=bert_tiny")
+               "run.sync_each_step=true", "run.rate=study", "model=bert_tiny")
     assert out.returncode == 0, out.stderr
     row = results.load(results_dir).iloc[0]
-    assert row.status == "ok" and row.sync_each_step and row.throughput > 0
-    assert json.loads(row.config_json)["run"]["sync_each_step"] is True
+    assert row.status == "ok" and row.sync_each_step == "drain" and row.rate == "study"
+    assert row.throughput == row.throughput_study > 0 and row.throughput_window > 0
+    # two timed steps, one round: rank 0's samples of the cluster over its host time
+    assert row.throughput_study == pytest.approx(row.throughput_window, rel=0.5)
 
 
 def test_without_the_host_meter_the_row_says_not_measured(results_dir) -> None:
@@ -74,7 +77,9 @@ def test_two_worker_run_writes_a_valid_shard(method: str, results_dir) -> None:
     # what changes GPU throughput, recorded (torch's default numerics)
     assert len(row.devices) == 2 and row.peak_memory_bytes > 0
     assert (row.tf32_matmul, row.tf32_cudnn, row.cudnn_benchmark) == (False, True, False)
-    assert not row.sync_each_step  # ddlbench's clock: nothing synchronizes inside a step
+    assert row.sync_each_step == "false"  # ours: nothing synchronizes inside a step
+    assert row.rate == "window" and row.throughput == row.throughput_window
+    assert row.throughput_study > 0  # the study's statistic, recorded beside ours
     # the method's own host time and its waits: measured, and within the iteration
     assert row.method_host_s > 0 and row.method_wait_s >= 0
     assert row.method_host_s + row.method_wait_s < np.mean(row.iter_times_s)

@@ -190,13 +190,16 @@ def test_paper_dry_run_groups_the_study_by_resource_shape(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     # 3 models x 7 methods x 4 sizes + 3 one-GPU baselines
     assert "87 configurations: 0 already complete (skipped), 87 to run" in out.stdout
-    # shapes: baselines 1x1; a2a 1x4 ... 8x4; PS with one co-located server per node: Nx5
-    # from 2 nodes (on one node BytePS needs no server: 1x4 like a2a), and one GPU per
-    # worker (cluster.slurm.gpus_per_node: null): gN
-    for shape, count in [("n1x1g1", 3), ("n1x4g4", 21), ("n8x4g4", 12), ("n2x5g4", 9),
-                         ("n8x5g4", 9)]:
+    # shapes: baselines 1x1; a2a 1x4 ... 8x4, one GPU per worker (gpus_per_node: null): gN;
+    # PS from 2 nodes with one server per node on machines of their own, as the study's:
+    # a heterogeneous job each (on one node BytePS needs no server: 1x4 like a2a)
+    for shape, count in [("n1x1g1", 3), ("n1x4g4", 21), ("n8x4g4", 12)]:
         assert f"array DRY-RUN-{shape}: {count} tasks" in out.stdout, shape
-    assert "n1x5g4" not in out.stdout
+    for nodes in (2, 4, 8):
+        assert (f"heterogeneous jobs DRY-RUN-n{nodes}x4g4+s{nodes}n{nodes}: 9 tasks of "
+                f"{nodes} node(s) x 4 ranks, 4 GPUs per node, and {nodes} servers on {nodes} "
+                "node(s) without GPUs") in out.stdout
+    assert "n1x5g4" not in out.stdout and "n2x5g4" not in out.stdout
     assert "#SBATCH --nodes=8" in out.stdout and "srun" in out.stdout
     assert "#SBATCH --gpus-per-node=4" in out.stdout and "--mem" not in out.stdout
     assert "dry run, Slurm not asked" in out.stderr
