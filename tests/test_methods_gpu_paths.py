@@ -344,7 +344,7 @@ def test_a_method_thread_sets_the_ranks_device_before_entering_its_stream(monkey
     base.start_thread(lambda: calls.append(("run", None, "cpu")), name="t2",
                       device=torch.device("cpu")).join(5)
     assert calls == [("run", None, "cpu")]  # a CPU rank touches no CUDA at all
-    assert base.side_stream(torch.device("cpu")) is None
+    assert base.side_stream(torch.device("cpu"), "issuer") is None
 
 
 @contextlib.contextmanager
@@ -369,7 +369,7 @@ def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
     if hasattr(module, "happened"):
         monkeypatch.setattr(module, "happened", lambda event: seen["happened"](event))
     if hasattr(module, "side_stream"):
-        monkeypatch.setattr(module, "side_stream", lambda device: object())
+        monkeypatch.setattr(module, "side_stream", lambda device, role: object())
     for mod in (module, layerwise):
         if hasattr(mod, "record"):
             monkeypatch.setattr(mod, "record", record)
