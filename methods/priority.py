@@ -7,9 +7,11 @@ credit is left (ByteScheduler blocks only while the remaining credit is <= 0, th
 subtracts the piece: up to credit plus one piece is in flight, and no piece is
 ever refused). A partition is ready once its gradient is in the buffer: at once on a
 CPU, where the hook runs after the gradient is computed; on a GPU once the event its
-hook recorded has happened (ByteScheduler polls it), since the host runs ahead of the
-device and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make,
-holding back the ready ones queued behind it. A completer thread waits for partitions
+hook recorded has happened (ByteScheduler polls it; the events, recorded in order on
+the compute stream, are asked oldest first, outside the lock the hooks need, each once,
+stopping at the first that has not happened), since the host runs ahead of the device
+and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make, holding
+back the ready ones queued behind it. A completer thread waits for partitions
 in issue order; once a partition's communication has really finished (`Handle.complete`:
 on a GPU `wait` only orders the stream) its credit comes back, and then, when it was a
 layer's last partition, that layer's update is applied (methods/layerwise.py), as
