@@ -14,12 +14,12 @@ NCCL pip package torch came with (nvidia-nccl-*): it has only libnccl.so.2, and 
 CMake looks for libnccl_static.a or libnccl.so, so the build gets a folder of links to
 it (<venv>/horovod-build/nccl) as HOROVOD_NCCL_HOME and HOROVOD_NCCL_LINK=SHARED. A torch
 built for CUDA makes Horovod's CMake look for a CUDA toolkit; CUDA_HOME,
-CUDAToolkit_ROOT and CUDACXX then name the one found (CUDA_HOME, CUDA_PATH,
-/usr/local/cuda). The sdist and its unpacked, patched copy stay in
-<venv>/horovod-build/, outside the repository. Nothing is built when this Horovod is
-already built against this torch and with the NCCL asked for (none, or its version
-code: a CPU build is rebuilt once NCCL is asked for, and the other way round);
-`--force` rebuilds.
+HOROVOD_CUDA_HOME, CUDAToolkit_ROOT and CUDACXX then name the one found (CUDA_HOME,
+CUDA_PATH, /usr/local/cuda), and its bin/ goes first on PATH (nvcc). The sdist and its
+unpacked, patched copy stay in <venv>/horovod-build/, outside the repository. Nothing is
+built when this Horovod is already built against this torch and with the NCCL asked for
+(none, or its version code: a CPU build is rebuilt once NCCL is asked for, and the other
+way round); `--force` rebuilds.
 """
 
 from __future__ import annotations
@@ -232,8 +232,11 @@ def build_env(torch_cuda: str | None, nccl: dict[str, str] | None = None) -> dic
             raise InstallError(f"this torch is built for CUDA {torch_cuda}, so Horovod's build "
                                "needs a CUDA toolkit (bin/nvcc, include/cuda_runtime.h) and none "
                                "was found; set CUDA_HOME to one, or install a CPU torch")
-        env.update(CUDA_HOME=str(toolkit), CUDAToolkit_ROOT=str(toolkit),
-                   CUDACXX=str(toolkit / "bin" / "nvcc"))
+        # Horovod's CMake reads CUDAToolkit_ROOT and CUDACXX, its setup.py HOROVOD_CUDA_HOME
+        # and nvcc on PATH: all name the one toolkit
+        env.update(CUDA_HOME=str(toolkit), HOROVOD_CUDA_HOME=str(toolkit),
+                   CUDAToolkit_ROOT=str(toolkit), CUDACXX=str(toolkit / "bin" / "nvcc"),
+                   PATH=os.pathsep.join([str(toolkit / "bin"), env.get("PATH", os.defpath)]))
     return env
 
 

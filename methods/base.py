@@ -38,9 +38,26 @@ def device_sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """A stream of its own on `device` for one of a method's threads (None on a CPU)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
+_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}  # (role, GPU index): made once
+_STREAMS_LOCK = threading.Lock()
+
+
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream | None:
+    """The stream of `role` (a method thread, a copy direction) on `device`, the same one
+    for the whole process (None on a CPU).
+
+    torch.cuda.Stream() hands out the streams of a pool of 32 per device in turn, and
+    ProcessGroupNCCL draws its own from that pool too: made anew per repeat or per plan, a
+    role's stream would after about 32 of them be the very stream of another role or of
+    NCCL, and work meant to overlap would queue behind it. So each role draws once.
+    """
+    if device.type != "cuda":
+        return None
+    key = (role, torch.cuda.current_device() if device.index is None else device.index)
+    with _STREAMS_LOCK:
+        if key not in _STREAMS:
+            _STREAMS[key] = torch.cuda.Stream(device)
+        return _STREAMS[key]
 
 
 def start_thread(target: Callable[[], None], *, name: str, device: torch.device,

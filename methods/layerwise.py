@@ -31,6 +31,21 @@ from methods.base import GradBuffer, record, wait_for
 from methods.hostmeter import OFF, HostMeter
 
 
+class Failure:
+    """The first error a communication thread met. The scheduler and its LayerUpdates share
+    it, so LayerUpdates holds no reference back to the scheduler (no cycle to collect)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def check(self) -> None:
+        """Raise the error a communication thread met, if any."""
+        if self.error is not None:
+            raise RuntimeError(f"communication failed: {self.error}") from self.error
+
+
 def module_layers(model: nn.Module, params: list[nn.Parameter]
                   ) -> tuple[list[str], list[int], dict[nn.Module, list[int]]]:
     """(layer names, the layer of each parameter, the layers each module's forward needs).

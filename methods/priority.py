@@ -7,9 +7,11 @@ credit is left (ByteScheduler blocks only while the remaining credit is <= 0, th
 subtracts the piece: up to credit plus one piece is in flight, and no piece is
 ever refused). A partition is ready once its gradient is in the buffer: at once on a
 CPU, where the hook runs after the gradient is computed; on a GPU once the event its
-hook recorded has happened (ByteScheduler polls it), since the host runs ahead of the
-device and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make,
-holding back the ready ones queued behind it. A completer thread waits for partitions
+hook recorded has happened (ByteScheduler polls it; the events, recorded in order on
+the compute stream, are asked oldest first, outside the lock the hooks need, each once,
+stopping at the first that has not happened), since the host runs ahead of the device
+and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make, holding
+back the ready ones queued behind it. A completer thread waits for partitions
 in issue order; once a partition's communication has really finished (`Handle.complete`:
 on a GPU `wait` only orders the stream) its credit comes back, and then, when it was a
 layer's last partition, that layer's update is applied (methods/layerwise.py), as
@@ -43,6 +45,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -62,26 +65,11 @@ from methods.base import (
 )
 from methods.delay import HookDelay
 from methods.hostmeter import OFF, HostMeter
-from methods.layerwise import LayerUpdates
+from methods.layerwise import Failure, LayerUpdates
 from methods.order import OrderFollower, OrderLeader
 from methods.plan import Unit, credit_in_elements, fuse_pieces
 
 JOIN_S = 10.0
-
-
-class Failure:
-    """The first error a communication thread met. The scheduler and its LayerUpdates share
-    it, so LayerUpdates holds no reference back to the scheduler (no cycle to collect)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def check(self) -> None:
-        """Raise the error a communication thread met, if any."""
-        if self.error is not None:
-            raise RuntimeError(f"communication failed: {self.error}") from self.error
 
 
 class Priority:
@@ -125,7 +113,9 @@ class Priority:
         self.order = self.order(transport.group) if self.order else None
         self.cond = threading.Condition()
         self.heap: list[tuple[tuple[int, int], int]] = []  # ready here, by priority
-        self.unready: list[int] = []  # GPU: hooked, their gradient's event yet to happen
+        # GPU: (parameter, its gradient's event), hooked but not yet seen to have happened,
+        # in record order (all on the compute stream, so they happen in this order too)
+        self.unready: deque[tuple[int, torch.cuda.Event]] = deque()
         self.ready = [False] * len(units)  # followers: ready here, not yet issued
         self.inflight = 0
         self.busy = 0  # layers between their first ready gradient and their update
@@ -137,7 +127,7 @@ class Priority:
         issue = self._follow if self.role == "follower" else self._issue
         self.device = device = buffer.flat.device
         self.threads = [start_thread(self._guard(loop), name=name, device=device,
-                                     stream=side_stream(device))
+                                     stream=side_stream(device, name))
                         for loop, name in ((issue, "issuer"), (self._complete, "completer"))]
 
     def _credit(self, element_size: int) -> int:
@@ -181,7 +171,7 @@ class Priority:
                     "needs every parameter used only inside the forward of its own module")
         self.layers.after_update(layer)  # the buffer slice is the previous update's input
         self.buffer.collect(i)  # outside the lock; nothing reads it before it is queued below
-        self.collected[i] = record(self.buffer.flat.device)
+        self.collected[i] = event = record(self.buffer.flat.device)
         with self.cond:
             self.marked[i] = self.iteration
             if self.layer_iter[layer] == -1:
@@ -189,27 +179,33 @@ class Priority:
                 self.remaining[layer] = self.layer_units[layer]
                 self.busy += 1
                 self.layers.begin(layer)
-            for u in self.units_of[i]:
-                if self.role == "follower":  # rank 0 chooses; the stream waits for the event
+            if self.role == "follower":  # rank 0 chooses; the stream waits for the event
+                for u in self.units_of[i]:
                     self.ready[u] = True
-                else:  # queued by the issuer once its gradient is in the buffer
-                    self.unready.append(u)
+            elif event is None:  # CPU: the gradient is in the buffer now
+                self._queue([i])
+            else:  # GPU: queued by the issuer once its event has happened
+                self.unready.append((i, event))
             # wake the issuer only if it can act: out of credit, the completer wakes it
             # when credit comes back (a wake-up per hook is a thread switch per tensor)
             if self.role == "follower" or self.inflight < self.credit:
                 self.cond.notify_all()
 
-    def _promote(self) -> None:
-        """The issuer: queue by priority the hooked partitions whose gradient is in the
-        buffer (CPU: all); the caller holds the lock."""
-        if self.unready:
-            waiting = []
-            for u in self.unready:
-                if happened(self.collected[self.units[u].params[0]]):
-                    heapq.heappush(self.heap, (self.priority[u], u))
-                else:
-                    waiting.append(u)
-            self.unready = waiting
+    def _queue(self, params: list[int]) -> None:
+        """Queue by priority the partitions of `params`, whose gradients are in the buffer;
+        the caller holds the lock."""
+        for i in params:
+            for u in self.units_of[i]:
+                heapq.heappush(self.heap, (self.priority[u], u))
+
+    def _promote(self) -> list[int]:
+        """The issuer, outside the lock (a gradient hook waits on it): the hooked parameters
+        whose gradient's event has happened, in record order, asking each event once and
+        stopping at the first that has not (those after it cannot have happened either)."""
+        ready = []
+        while self.unready and happened(self.unready[0][1]):
+            ready.append(self.unready.popleft()[0])
+        return ready
 
     # -- threads ----------------------------------------------------------------------
 
@@ -233,34 +229,48 @@ class Priority:
         """Leader or independent rank: start the best ready partitions while credit is left,
         each at once, or with `cycle_s` those of one cycle together at its end."""
         batch: list[int] = []
-        origin, tick = time.monotonic(), 0.0
+        self.origin = self.tick = time.monotonic()
         while True:
+            ready = self._promote()  # GPU: the events, asked outside the lock
             with self.cond:
-                while not self.stopping:
-                    self._promote()
-                    if self.heap and self.inflight < self.credit:
-                        _, u = heapq.heappop(self.heap)
-                        self.inflight += self.units[u].numel
-                        batch.append(u)
-                        if not self.cycle_s:
-                            break
-                        if len(batch) == 1:  # Horovod's loop runs every cycle from the start
-                            tick = origin + math.ceil((time.monotonic() - origin) /
-                                                      self.cycle_s) * self.cycle_s
-                    elif not batch:  # GPU, credit left: poll the hooked ones' events
-                        self.cond.wait(POLL_MAX_S if self.unready and self.inflight < self.credit
-                                       else None)
-                    elif (left := tick - time.monotonic()) > 0:
-                        self.cond.wait(left)
-                    else:
-                        break
+                self._queue(ready)
+                go = self._take(batch)
                 if self.stopping:
                     return
+            if not go:
+                continue
             for group in self._fuse(batch):
                 if self.order is not None:
                     self.order.announce(group)
                 self._start(group)
             batch = []
+
+    def _take(self, batch: list[int]) -> bool:
+        """Under the lock: move the best queued partitions into `batch` while credit is left.
+        True: start `batch` now; False: ask the hooked gradients' events again (GPU) first,
+        at once when hooks came since they were asked, else after a pause of POLL_MAX_S."""
+        asked = True  # the events were asked just before
+        while not self.stopping:
+            if self.heap and self.inflight < self.credit:
+                _, u = heapq.heappop(self.heap)
+                self.inflight += self.units[u].numel
+                batch.append(u)
+                if not self.cycle_s:
+                    return True
+                if len(batch) == 1:  # Horovod's loop runs every cycle from the start
+                    self.tick = self.origin + math.ceil((time.monotonic() - self.origin) /
+                                                        self.cycle_s) * self.cycle_s
+                continue
+            left = self.tick - time.monotonic() if batch else None
+            if left is not None and left <= 0:
+                return True
+            if self.unready and self.inflight < self.credit:  # GPU: events to ask again
+                if asked:
+                    self.cond.wait(POLL_MAX_S if left is None else min(left, POLL_MAX_S))
+                return False
+            self.cond.wait(left)
+            asked = False
+        return False
 
     def _fuse(self, batch: list[int]) -> list[list[int]]:
         """Consecutive pieces of `batch` fused up to `fusion_bytes` (else each alone)."""

@@ -46,9 +46,8 @@ from methods.layout import (
     plan_summary,
 )
 from methods.plan import Unit
-from methods.ps_node import HostStaging, Node, _Exchange, _Pipeline
+from methods.ps_node import HostStaging, Node, _Exchange, _Pipeline, node_staging
 from methods.ps_scatter import ScatterPipeline
-from methods.ps_shared import share
 from methods.ps_wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
 
 
@@ -135,9 +134,12 @@ class PSTransport:
         self.flat: torch.Tensor | None = None
         self.staging: HostStaging | None = None
         self.pipeline: _Pipeline | None = None
+        self.warm = False  # the node's communicators made (`open`)
 
     def open(self, buffer: GradBuffer, units: list[Unit]) -> None:
-        """Start a plan: cut its units into keyed partitions and tell each server its own."""
+        """Start a plan: cut its units into keyed partitions and tell each server its own.
+        The first plan also makes the node's communicators (`Node.warm_up`), here on the
+        main thread, before any thread of the plan issues a collective."""
         if self.parts:
             self.close()
         flat = buffer.flat
@@ -151,10 +153,11 @@ class PSTransport:
         self.flat = flat
         if self.serverless:
             return
-        if not (self.staging and self.staging.flat is flat):  # the node's, on the scatter path
-            host = share(flat.numel(), flat.dtype, node=self.node, timeout_s=self.timeout_s) \
-                if self.scatter else None
-            self.staging = HostStaging(flat, host=host)
+        if not self.warm:
+            self.node.warm_up(flat.device)
+            self.warm = True
+        self.staging = node_staging(flat, node=self.node, scatter=self.scatter,
+                                    timeout_s=self.timeout_s)
         dtype = DTYPES.index(flat.dtype)
         for server in self.servers:
             layout = torch.tensor([[p.key, p.numel] for ps in self.parts for p in ps
@@ -179,7 +182,10 @@ class PSTransport:
         """End the plan (every pull of it must be complete): its threads, then the servers'."""
         if self.pipeline is not None:
             pipeline, self.pipeline = self.pipeline, None
-            pipeline.stop(self.timeout_s)
+            pipeline.stop(self.timeout_s)  # raises if a copy may still run: staging kept
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging.close()  # its registration with CUDA ends with the plan
         if not self.parts:
             return
         self.parts = []

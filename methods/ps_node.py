@@ -8,8 +8,12 @@ partition on these same threads with steps of its own. A node of one worker does
 Every collective of a node goes in one order on all its workers (methods/ps_order.py).
 
 Servers are CPU processes (methods/server.py). Workers on GPUs stage their
-gradients through a pinned host mirror of the flat buffer (`HostStaging`), copied on
-streams of their own; on CPU the flat buffer is its own mirror and nothing is copied.
+gradients through page-locked host memory (`HostStaging`, made by `node_staging`), copied
+on streams of their own: on the root path the root's pinned mirror of the flat buffer
+(only the root pushes and pulls, so only it has one), on the scatter path the node's shared
+buffer, registered with CUDA while the plan is open. On CPU the flat buffer is its own
+mirror and nothing is copied. Host threads wait for a copy by polling its event
+(`_finish`): an event's synchronize() would spin a core for as long as the copy runs.
 
 `_Pipeline` is one plan's threads: for each unit (`_Exchange`) put to it, a poster
 has it reduced inside the node, copies it to the host and posts its messages
@@ -32,9 +36,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from methods.base import happened, record, start_thread, wait_for
+from methods.base import happened, poll_until, record, side_stream, start_thread, wait_for
 from methods.layout import Part
 from methods.ps_order import BROADCAST, REDUCE, Node, NodeOrder
+from methods.ps_shared import pin, share, unpin
 from methods.ps_wire import (
     CTRL_TAG,
     HEADER,
@@ -48,24 +53,35 @@ from methods.ps_wire import (
 
 class HostStaging:
     """Where pushes are read from and pulls land: the buffer itself on CPU, pinned memory on
-    GPU, or given as `host`, the node's shared buffer (the scatter path, CPU and GPU). On
-    GPU each direction has a copy stream of its own, as BytePS has: the way out
-    (`side()`: after the node's reduce, the copy to the host) and the way back
+    GPU (only where `mirror`: the root path's root), or given as `host`, the node's shared
+    buffer (the scatter path, CPU and GPU; `shared`: registered with CUDA on a GPU until
+    `close`). On GPU each direction has a copy stream of its own, as BytePS has: the way
+    out (`side()`: after the node's reduce, the copy to the host) and the way back
     (`side(back=True)`: the copies to the device, then the node's broadcast). With one
     stream a root's next reduce, waited on there, would hold back the way back of the
     unit before. (The collectives themselves are queued by the node thread, on a stream
     of its own: `NodeOrder`.) Events are None on CPU."""
 
-    def __init__(self, flat: torch.Tensor, *, host: torch.Tensor | None = None) -> None:
+    def __init__(self, flat: torch.Tensor, *, host: torch.Tensor | None = None,
+                 mirror: bool = True, shared: bool = False) -> None:
         self.flat = flat
-        self.on_device = flat.device.type != "cpu"
-        if host is None:  # the root path's own mirror (CPU: none needed)
+        self.on_device = flat.device.type == "cuda"
+        if host is None and self.on_device:  # the root path's own mirror, the root's alone
             host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True) \
-                if self.on_device else flat
-        self.host = host  # or the node's shared buffer (methods/ps_shared.py)
-        self.mirrored = host is not flat
-        self.out, self.back = (torch.cuda.Stream(flat.device), torch.cuda.Stream(flat.device)) \
-            if self.on_device else (None, None)
+                if mirror else None
+        self.host = flat if host is None and not self.on_device else host
+        self.mirrored = self.host is not flat
+        self.pinned = shared and self.on_device  # the node's shared buffer, registered
+        if self.pinned:
+            pin(self.host)
+        self.out, self.back = side_stream(flat.device, "ps-out"), side_stream(flat.device,
+                                                                               "ps-back")
+
+    def close(self) -> None:
+        """The plan is over: the node's shared buffer is no longer registered with CUDA."""
+        if self.pinned:
+            self.pinned = False
+            unpin(self.host)
 
     def ready(self) -> torch.cuda.Event | None:
         """The event of the end of the work queued so far on the current stream (gradients)."""
@@ -106,10 +122,25 @@ class HostStaging:
         wait_for(event, self.flat.device)
 
 
-def _finish(event: torch.cuda.Event | None) -> None:
-    """Block until `event` has happened (CPU: there is nothing to wait for)."""
+def node_staging(flat: torch.Tensor, *, node: Node, scatter: bool,
+                 timeout_s: float) -> HostStaging:
+    """A plan's host staging: on the scatter path the node's shared buffer (every worker of
+    the node calls this at the same point), registered with CUDA on a GPU; on the root
+    path the root's pinned mirror, and none on the node's other workers, which never
+    touch the host (torch rounds a pinned block up to a power of two: BERT-Large's
+    1.34 GB takes 2 GiB, per worker that held one)."""
+    if scatter:
+        host = share(flat.numel(), flat.dtype, node=node, timeout_s=timeout_s)
+        return HostStaging(flat, host=host, shared=True)
+    return HostStaging(flat, mirror=node.is_root)
+
+
+def _finish(event: torch.cuda.Event | None, *, timeout_s: float, what: str) -> None:
+    """Return once `event` has happened (CPU: None, there is nothing to wait for), polling
+    it as `poll_until` does; a TimeoutError naming `what` after `timeout_s`. Not
+    `event.synchronize()`: a default event's synchronize spins a core while it waits."""
     if event is not None:
-        event.synchronize()
+        poll_until(event.query, timeout_s=timeout_s, what=what)
 
 
 class _Exchange:
@@ -149,7 +180,7 @@ class _Exchange:
 
     def complete(self) -> None:
         self._landed()
-        _finish(self.landed)
+        _finish(self.landed, timeout_s=self.timeout_s, what="the unit's copy back to the device")
 
     def finished(self) -> bool:
         return self.done.is_set() and happened(self.landed)
@@ -175,7 +206,8 @@ def _post(job: _Exchange, *, node: Node, order: NodeOrder | None, servers: list[
     job.reduced = job.staging.mark(back=False)
     if not node.is_root:
         return
-    _finish(job.staging.to_host(job.parts[0].start, job.parts[-1].end))
+    _finish(job.staging.to_host(job.parts[0].start, job.parts[-1].end),
+            timeout_s=job.timeout_s, what="the copy to the host")
     host = job.staging.host
     for server in servers:
         mine = [p for p in job.parts if p.server == server]

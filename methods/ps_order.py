@@ -72,6 +72,18 @@ class Node:
             return dist.all_gather_single(chunk, self.own(chunk), group=self.broadcast_group,
                                           async_op=True)
 
+    def warm_up(self, device: torch.device) -> None:
+        """Make the node's communicators now, on the calling thread (the main one), the
+        reduce group's then the broadcast group's, in this order on every worker of the
+        node: NCCL makes a group's communicator at its first collective, and made later by
+        the node thread the second would be set up while the first one's kernels run,
+        which NCCL warns can stall. (Gloo's groups are ready; the same two collectives.)"""
+        if self.size == 1:
+            return
+        with naming(self.name):
+            for group in (self.reduce_group, self.broadcast_group):
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+
     def own(self, chunk: torch.Tensor) -> torch.Tensor:
         """This worker's slice of `chunk` (its numel a multiple of the node's size)."""
         n = chunk.numel() // self.size
@@ -118,7 +130,7 @@ class NodeOrder:
                 raise self.error
             if self.thread is None:  # the first collective: the thread starts on its device
                 self.thread = start_thread(self._run, name="ps-node", device=chunk.device,
-                                           stream=side_stream(chunk.device))
+                                           stream=side_stream(chunk.device, "ps-node"))
             self.asks.put(ask)
         if not ask.issued.wait(timeout_s):
             raise RuntimeError(f"{self.node.name} failed or did not answer: the node's "

@@ -102,7 +102,7 @@ def _scatter(job: _Exchange, part: Part, *, node: Node, order: NodeOrder) -> Non
     staging.to_host(start, end)
     if node.is_root:
         staging.to_host(body, part.end)
-    _finish(staging.mark(back=False))
+    _finish(staging.mark(back=False), timeout_s=job.timeout_s, what="the copy to the host")
 
 
 def _post(piece: _Piece) -> None:

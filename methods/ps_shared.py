@@ -11,8 +11,10 @@ tensors are freed, and no file outlives `share`, whatever happens after it (the 
 close, a crash). A worker maps only a file that exists, so it never makes one itself.
 
 On GPUs the copies between the device and this buffer run on the host staging's copy
-streams (methods/ps_node.py `HostStaging`); the buffer is pageable (not registered with
-CUDA), so those copies are not asynchronous to the host.
+streams (methods/ps_node.py `HostStaging`), and each worker registers its mapping with CUDA
+(`pin`: cudaHostRegister, as BytePS pins its shared memory in shared_memory.cc) while the
+plan is open: the copies are then asynchronous to the host and run at page-locked speed,
+so a partition's reduce-scatter overlaps the copy of the one before. `unpin` ends it.
 """
 
 from __future__ import annotations
@@ -85,3 +87,23 @@ def _exchange(msg: torch.Tensor, peer: int, *, send: bool, timeout_s: float) -> 
         work = dist.isend(msg, dst=peer, tag=SHM_TAG) if send else \
             dist.irecv(msg, src=peer, tag=SHM_TAG)
         work.wait(dt.timedelta(seconds=timeout_s))
+
+
+def pin(host: torch.Tensor) -> None:
+    """Register `host` (this worker's mapping of the node's shared buffer) with CUDA as
+    page-locked memory (a GPU worker only)."""
+    _cudart_call("cudaHostRegister", host.data_ptr(), host.numel() * host.element_size(), 0)
+
+
+def unpin(host: torch.Tensor) -> None:
+    """Undo `pin` (before the mapping goes)."""
+    _cudart_call("cudaHostUnregister", host.data_ptr())
+
+
+def _cudart_call(name: str, *args: int) -> None:
+    """Call the CUDA runtime's `name`; a RuntimeError naming it and the error code if it
+    failed."""
+    code = int(getattr(torch.cuda.cudart(), name)(*args))
+    if code != 0:
+        raise RuntimeError(f"{name} of the node's shared buffer failed with CUDA error {code}; "
+                           "set method.transport.node_reduce=root to stage without it")

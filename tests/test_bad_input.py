@@ -255,6 +255,10 @@ ROWS = [
     ("harness.methodbench", ["--methods", "bsp_ps", "--engines", "horovod"],
      ["--methods bsp_ps with --engines horovod selects no run", "--engines native"]),
     ("harness.methodbench", ["--workers", "1000"], ["1000 local processes", "--force"]),
+    # a measured GPU profile: a GPU per profiling process (none here, or fewer than 512)
+    ("harness.simulate", ["simulate.compute=measured", "cluster.device=cuda",
+                          "cluster.workers_per_node=512", "run.force=true"],
+     ["simulate.compute=measured", "GPU", "cluster.device=cpu"]),
 ]
 DEFAULTS = {  # where each command would write, inside the scratch folder
     "harness.run": ["results_dir={tmp}/results", *TINY],

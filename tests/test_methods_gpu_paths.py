@@ -12,6 +12,11 @@
   update before its next forward); polls sleep tens of microseconds at most.
 - Rank 0's announcements keep bounded bookkeeping; a node's collectives go in the root's
   order on every worker of the node.
+- Issue 38: ByteScheduler asks one event per parameter per poll, in record order, outside
+  its lock; each role's stream is made once per process and device; only the root path's
+  root pins a host copy; the scatter path's shared buffer is registered with CUDA while
+  its plan is open; a landing unit's copy is polled, never synchronized (a spinning core);
+  the node's communicators are made from the main thread, in one order, once.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 from methods import base, layerwise, order, priority, ps_order
 from methods import ps_node as ps
 from methods.base import GradBuffer, backward_order, until_completed
-from methods.plan import PerTensor
+from methods.plan import Partition, PerTensor
 from methods.priority import Priority
 from methods.profile import BackwardProfiler
 
@@ -344,7 +349,7 @@ def test_a_method_thread_sets_the_ranks_device_before_entering_its_stream(monkey
     base.start_thread(lambda: calls.append(("run", None, "cpu")), name="t2",
                       device=torch.device("cpu")).join(5)
     assert calls == [("run", None, "cpu")]  # a CPU rank touches no CUDA at all
-    assert base.side_stream(torch.device("cpu")) is None
+    assert base.side_stream(torch.device("cpu"), "issuer") is None
 
 
 @contextlib.contextmanager
@@ -369,7 +374,7 @@ def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
     if hasattr(module, "happened"):
         monkeypatch.setattr(module, "happened", lambda event: seen["happened"](event))
     if hasattr(module, "side_stream"):
-        monkeypatch.setattr(module, "side_stream", lambda device: object())
+        monkeypatch.setattr(module, "side_stream", lambda device, role: object())
     for mod in (module, layerwise):
         if hasattr(mod, "record"):
             monkeypatch.setattr(mod, "record", record)
@@ -634,3 +639,231 @@ def test_every_worker_of_a_node_issues_the_nodes_collectives_in_the_roots_order(
     expected = [(kind, u) for kind in (ps.REDUCE, ps.BROADCAST) for u in range(3)]
     assert issued[True] == expected
     assert issued[False] == expected  # not the broadcasts first, as this worker asked
+
+
+# -- issue 38: the readiness scan, streams per role, host staging, polls, warm-up ----------
+
+
+def test_the_readiness_scan_asks_each_parameters_event_once_in_order_outside_the_lock(
+        monkeypatch) -> None:
+    # 24 weights of 4 partitions each; the host ran ahead: every hook ran, no event happened
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(24)))
+    buffer = GradBuffer(backward_order(model))
+    units = Partition(partition_elements=4).plan(buffer.sizes, rows=buffer.rows)
+    assert len(units) == 4 * 24
+    released, polls = set(), []
+    with _cuda_faked(monkeypatch, priority) as seen:
+        sched = Priority(timeout_s=10, credit_elements=10**6)
+
+        def happened(event) -> bool:
+            polls[-1].append((event, sched.cond._is_owned()))
+            return event in released
+
+        promote = Priority._promote
+
+        def counted(self):
+            polls.append([])
+            return promote(self)
+
+        seen["happened"] = happened
+        monkeypatch.setattr(Priority, "_promote", counted)
+        transport = _GatedTransport()
+        sched.attach(model, buffer=buffer, units=units, transport=transport)
+        sched.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            sched.synchronize()
+            time.sleep(STUCK_S)
+            waiting = [p for p in polls[1:-1] if p]
+            assert len(waiting) >= 3  # it kept polling, 50 us apart at most
+            first = sched.collected[0]  # the output side's gradient, recorded first
+            # one query per poll: the oldest event, which has not happened; never the lock
+            assert all(p == [(first, False)] for p in waiting), waiting[:3]
+            released.update(sched.collected)
+            assert len(_settle(transport, len(units))) == len(units)
+            asked = [event for p in polls for event, _ in p]
+            # once they happen, one query per parameter, not per partition, in record order
+            assert asked[-24:] == sched.collected
+            assert all(asked.count(event) == 1 for event in sched.collected[1:])
+            assert not any(owned for p in polls for _, owned in p)
+            _finish_all(transport)
+            sched.drain()
+        finally:
+            _finish_all(transport)
+            sched.close()
+
+
+class _Stream:
+    made = 0
+
+    def __init__(self, device=None) -> None:
+        _Stream.made += 1
+        self.device = device
+
+
+def test_each_roles_stream_is_made_once_per_process_and_device(monkeypatch) -> None:
+    monkeypatch.setattr(base, "_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _Stream.made = 0
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    issuer = base.side_stream(gpu0, "issuer")
+    for _ in range(40):  # 40 repeats, each attaching a scheduler and opening a PS plan
+        assert base.side_stream(gpu0, "issuer") is issuer
+        assert base.side_stream(torch.device("cuda"), "issuer") is issuer
+        staging = ps.HostStaging(_FakeFlat(), mirror=False)
+    assert (staging.out, staging.back) == (base.side_stream(gpu0, "ps-out"),
+                                           base.side_stream(gpu0, "ps-back"))
+    assert len({id(s) for s in (issuer, staging.out, staging.back,
+                                base.side_stream(gpu0, "completer"),
+                                base.side_stream(gpu1, "issuer"))}) == 5
+    assert _Stream.made == 5
+    assert base.side_stream(torch.device("cpu"), "issuer") is None
+
+
+def test_no_module_makes_a_stream_but_side_stream() -> None:
+    from tests.conftest import REPO
+
+    files = [*REPO.glob("methods/*.py"), *REPO.glob("harness/**/*.py")]
+    makers = [f.relative_to(REPO).as_posix() for f in files
+              if "cuda.Stream(" in f.read_text()]
+    assert makers == ["methods/base.py"]
+
+
+class _FakeFlat:
+    """A flat gradient buffer on GPU 0, for HostStaging's decisions (no GPU here)."""
+
+    device, dtype = torch.device("cuda", 0), torch.float32
+
+    def numel(self) -> int:
+        return 1000
+
+
+@contextlib.contextmanager
+def _gpu_staging(monkeypatch, *, code: int = 0) -> Iterator[dict]:
+    """HostStaging on a faked GPU: pinned allocations and cudart calls recorded."""
+    log: dict = {"pinned": [], "cudart": []}
+    empty = torch.empty
+
+    def fake_empty(*size, pin_memory=False, **kw):
+        if pin_memory:
+            log["pinned"].append(size)
+        return empty(*size, **kw)
+
+    class Runtime:
+        def __getattr__(self, name):
+            return lambda *args: log["cudart"].append((name, *args)) or code
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(ps, "side_stream", lambda device, role: object())
+    monkeypatch.setattr(ps, "share", lambda numel, dtype, *, node, timeout_s:
+                        log.setdefault("shared", empty(numel, dtype=dtype)))
+    yield log
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_on_the_root_path_only_the_root_pins_a_host_copy(monkeypatch, rank: int) -> None:
+    node = ps.Node(rank, 2, ("reduce", "broadcast"))
+    with _gpu_staging(monkeypatch) as log:
+        staging = ps.node_staging(_FakeFlat(), node=node, scatter=False, timeout_s=5)
+    assert log["pinned"] == ([(1000,)] if rank == 0 else [])
+    assert (staging.host is None) == (rank == 1) and log["cudart"] == []
+    cpu = torch.zeros(8)  # the CPU twin: the buffer is its own mirror on every worker
+    assert ps.node_staging(cpu, node=node, scatter=False, timeout_s=5).host is cpu
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_shared_buffer_is_registered_with_cuda_while_the_plan_is_open(monkeypatch,
+                                                                          rank: int) -> None:
+    node = ps.Node(rank, 2, ("reduce", "broadcast"))
+    with _gpu_staging(monkeypatch) as log:
+        staging = ps.node_staging(_FakeFlat(), node=node, scatter=True, timeout_s=5)
+        shared = log["shared"]
+        assert staging.host is shared and log["pinned"] == []
+        assert log["cudart"] == [("cudaHostRegister", shared.data_ptr(), 4000, 0)]
+        staging.close()
+        staging.close()
+        assert log["cudart"][1:] == [("cudaHostUnregister", shared.data_ptr())]
+    with _gpu_staging(monkeypatch, code=2) as log:
+        with pytest.raises(RuntimeError, match="cudaHostRegister of the node's shared buffer "
+                                               "failed with CUDA error 2"):
+            ps.node_staging(_FakeFlat(), node=node, scatter=True, timeout_s=5)
+    with _gpu_staging(monkeypatch) as log:  # the CPU twin: the same buffer, nothing pinned
+        cpu = ps.node_staging(torch.zeros(1000), node=node, scatter=True, timeout_s=5)
+        cpu.close()
+        assert cpu.host is log["shared"] and log["cudart"] == []
+
+
+class _SlowEvent:
+    """A copy's event that happens after `polls` queries; synchronizing it spins a core."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        raise AssertionError("synchronize() busy-waits on a default event")
+
+
+def test_a_unit_lands_by_polling_its_copys_event_not_spinning(monkeypatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(base.time, "sleep", pauses.append)
+    job = ps._Exchange(_parts(), staging=ps.HostStaging(torch.zeros(8)), ready=None,
+                       timeout_s=5)
+    job.landed = _SlowEvent(30)
+    job.done.set()
+    job.complete()
+    assert len(pauses) == 30 and max(pauses) <= base.POLL_MAX_S
+    job.landed = _SlowEvent(10**9)
+    job.timeout_s = 0.01
+    monkeypatch.setattr(base.time, "sleep", time.sleep)
+    with pytest.raises(TimeoutError, match="the unit's copy back to the device timed out"):
+        job.complete()
+
+
+def test_the_nodes_communicators_are_made_from_the_main_thread_in_one_order(
+        monkeypatch) -> None:
+    log: list = []
+    monkeypatch.setattr(ps_order.dist, "all_reduce", lambda tensor, *, group: log.append(
+        (group, threading.current_thread().name)))
+    ps_order.Node(1, 2, ("reduce", "broadcast")).warm_up(torch.device("cpu"))
+    ps_order.Node(0, 1, None).warm_up(torch.device("cpu"))  # a node of one: none to make
+    main = threading.current_thread().name
+    assert log == [("reduce", main), ("broadcast", main)]
+
+
+def test_the_transport_warms_the_node_up_once_before_its_first_plans_threads(
+        monkeypatch) -> None:
+    from methods import ps as transport_module
+
+    group, log = object(), []
+    monkeypatch.setattr(transport_module.dist, "get_world_size",
+                        lambda g=None: 4 if g is group else 6)  # 2 nodes of 2, 2 servers
+    monkeypatch.setattr(transport_module.dist, "get_rank", lambda g=None: 1)
+    monkeypatch.setattr(transport_module, "_tell_servers", lambda *a, **k: None)
+    monkeypatch.setattr(ps_order.Node, "warm_up", lambda node, device: log.append("warm-up"))
+    monkeypatch.setattr(ps, "share", lambda numel, dtype, *, node, timeout_s: torch.zeros(numel))
+
+    class Pipeline:
+        def __init__(self, servers, node) -> None:
+            log.append(f"threads for servers {servers}")
+
+        def stop(self, timeout_s) -> None:
+            log.append("stop")
+
+    monkeypatch.setattr(transport_module, "ScatterPipeline", Pipeline)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    buffer = GradBuffer(backward_order(model))
+    transport = transport_module.PSTransport(group=group, workers_per_node=2,
+                                             node_groups=("reduce", "broadcast"), timeout_s=5)
+    for _ in range(2):  # MG-WFBP's second plan: the communicators are there
+        transport.open(buffer, PerTensor().plan(buffer.sizes))
+        assert transport.staging is not None
+    transport.close()
+    assert transport.staging is None
+    assert log == ["warm-up", "threads for servers [4, 5]", "stop", "threads for servers [4, 5]",
+                   "stop"]

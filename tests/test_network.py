@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from harness.config import checks
 from harness.launch import netem
 from harness.measure import results
-from tests.conftest import TINY, run_module
+from tests.conftest import REPO, TINY, run_module
 
 pytestmark = [
     pytest.mark.network,
@@ -104,3 +105,25 @@ def test_microbench_sees_the_link_rate(results_dir) -> None:
     allreduce = frame[frame.kind == "allreduce"]
     assert allreduce.beta_s_per_byte.iloc[0] > 0.5 * p2p.beta_s_per_byte.iloc[0]
     assert results.load(results_dir).empty, "microbench data is not benchmark shards"
+
+
+def test_every_rank_of_an_emulated_node_tells_nccl_its_own_host_and_veth(tmp_path) -> None:
+    # issue 38: `ip netns exec` changes neither the host name nor the boot id, from which
+    # NCCL tells hosts apart; without NCCL_HOSTID every emulated node would be one host
+    code = ("import sys; from harness.launch.launcher import command; "
+            "from harness.launch.rank import exit_now; "
+            "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.env_entry'))")
+    out = subprocess.run(
+        [sys.executable, "-c", code, *TINY, "cluster=emulated", "cluster.nodes=3",
+         "network=eth100m", "cluster.device=cpu", f"results_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_DISABLE": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"env_rank{r}.json").read_text()) for r in range(3)]
+    hosts = [rank["namespace"] for rank in ranks]
+    assert len(set(hosts)) == 3 and all(h.startswith(netem.PREFIX) for h in hosts)
+    for rank in ranks:
+        env = rank["env"]
+        assert env["NCCL_HOSTID"] == rank["namespace"]  # the namespace it really runs in
+        assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == ("=eth0", "eth0")
+        assert (env["NCCL_IB_DISABLE"], env["NCCL_NET"]) == ("1", "Socket")  # not the site's

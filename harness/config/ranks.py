@@ -30,6 +30,14 @@ def num_workers(cfg: Config) -> int:
     return cfg.cluster.nodes * cfg.cluster.workers_per_node
 
 
+def profile_processes(cfg: Config) -> int:
+    """The processes of a measured compute profile (simulate.compute=measured), all at
+    once: a local or emulated cluster runs every worker on this machine, so as many as it
+    has workers (sharing its cores; on GPUs process k on GPU k, as the launcher places
+    worker k); any other cluster one."""
+    return num_workers(cfg) if cfg.cluster.name in ("local", "emulated") else 1
+
+
 def host_of(cfg: Config, rank: int) -> int:
     """The node a rank runs on: workers fill nodes in order, each server has a node of its own."""
     workers = num_workers(cfg)

@@ -15,8 +15,16 @@ from omegaconf import DictConfig
 
 from harness.config import checks, paths
 from harness.config.frozen import Config, Frozen, assign, select, thaw
-from harness.config.ranks import num_workers
-from harness.config.schema import CLOCKS, OPTIMIZERS, RATES, ConfigError, first_line, step_ending
+from harness.config.ranks import num_workers, profile_processes
+from harness.config.schema import (
+    CLOCKS,
+    OPTIMIZERS,
+    RATES,
+    ConfigError,
+    first_line,
+    resolve_device,
+    step_ending,
+)
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -201,6 +209,7 @@ def _check_simulate(cfg: Config) -> None:
     if rate is not None:
         _positive("network.rate_mbit", rate)
     if sim.compute == "measured":
+        _check_profile_gpus(cfg)
         return
     if sim.compute not in sim.gpus:
         raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose measured or a "
@@ -223,3 +232,22 @@ def _check_simulate(cfg: Config) -> None:
         raise ConfigError(f"simulate.flop_per_byte.{sim.compute}={balance!r} is invalid; give "
                           f"the GPU's peak FP32 FLOP/s over its memory's bytes/s, e.g. "
                           f"simulate.flop_per_byte.{sim.compute}=21.8 (13.45e12 / 616e9)")
+
+
+def _check_profile_gpus(cfg: Config) -> None:
+    """A measured profile on GPUs gives each of its processes a GPU of its own, as a run
+    would: there must be as many (no override lifts it)."""
+    if resolve_device(cfg.cluster) != "cuda":
+        return
+    import torch
+
+    need, have = profile_processes(cfg), torch.cuda.device_count()
+    if have == 0:
+        raise ConfigError("simulate.compute=measured with cluster.device=cuda profiles on a "
+                          "GPU, and this machine shows none; use cluster.device=cpu or auto")
+    if need > have:
+        raise ConfigError(
+            f"simulate.compute=measured profiles the {need} workers of cluster.nodes="
+            f"{cfg.cluster.nodes} x cluster.workers_per_node={cfg.cluster.workers_per_node} "
+            f"at once, one GPU each, and this machine has {have} GPUs; lower them to {have} "
+            "workers at most, or profile on cluster.device=cpu")

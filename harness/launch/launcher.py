@@ -127,7 +127,7 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
                     cfg_path, entry=entry, rank=rank, world=world, port=port, run_id=run_id,
                     master_addr=net.address(0) if net else cfg.cluster.master_addr,
                     wrap=(lambda argv, h=host: net.command(h, argv)) if net else list,
-                    extra_env={"GLOO_SOCKET_IFNAME": netem.IFNAME} if net else {},
+                    extra_env=net.environment(host) if net else {},
                 ))
             ending = _watch(procs, run_dir, idle_s=cfg.run.timeout_s + STALL_GRACE_S)
         except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by _signals_raise

@@ -46,6 +46,18 @@ class EmulatedNetwork:
     def address(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
 
+    def environment(self, host: int) -> dict[str, str]:
+        """The variables of every rank on `host`: Gloo and NCCL bound to the host's veth
+        (`=`: that name exactly), and to NCCL a host of its own. NCCL takes two ranks for
+        one host when their host name and boot id agree (or their NCCL_HOSTID), and `ip
+        netns exec` changes neither: every emulated node would be one host to NCCL, whose
+        traffic between them would go over NVLink, PCIe or shared memory around the
+        rate-limited links while the PS traffic over Gloo took them. InfiniBand, which no
+        veth limits, is off: NCCL's sockets on the veth are its only network."""
+        return {"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": f"={IFNAME}",
+                "NCCL_HOSTID": self.namespace(host), "NCCL_IB_DISABLE": "1",
+                "NCCL_NET": "Socket"}
+
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
         """`argv` run inside `host`'s namespace."""
         return ["ip", "netns", "exec", self.namespace(host), *argv]

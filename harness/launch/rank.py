@@ -98,17 +98,26 @@ class Seat:
     host: str
     local_rank: int  # the launcher's (LOCAL_RANK, SLURM_LOCALID)
     worker: bool
-    gpus: tuple[str, ...] = ()  # the GPUs its task sees: CUDA_VISIBLE_DEVICES entries, or indices
+    gpus: tuple[str, ...] = ()  # the GPUs its task sees, in its order: `gpu_ids`
+
+
+def gpu_ids(count: int) -> tuple[str, ...]:
+    """The first `count` GPUs this process sees, each by what names it on its host
+    whatever the process's view: its UUID, else its PCI address. Not its
+    CUDA_VISIBLE_DEVICES entry: sites that give each task a device cgroup of its own
+    show every task its GPU as "0", and two tasks on two GPUs would look like one."""
+    ids = []
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        uuid = str(getattr(props, "uuid", "") or "")
+        ids.append(uuid or f"pci {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"
+                           f"{props.pci_device_id:02x}")
+    return tuple(ids)
 
 
 def my_seat(*, rank: int, local_rank: int, worker: bool, device_type: str) -> Seat:
     """This process's seat (the GPUs only for a worker of a GPU run)."""
-    gpus: tuple[str, ...] = ()
-    if worker and device_type == "cuda":
-        count = torch.cuda.device_count()
-        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-        names = listed.split(",") if listed else [str(i) for i in range(count)]
-        gpus = tuple(n.strip() for n in names[:count])
+    gpus = gpu_ids(torch.cuda.device_count()) if worker and device_type == "cuda" else ()
     return Seat(rank=rank, host=socket.gethostname(), local_rank=local_rank, worker=worker,
                 gpus=gpus)
 

@@ -40,6 +40,7 @@ from methods.base import side_stream, start_thread
 HOST = torch.device("cpu")  # a Clock of it reads perf_counter, on every device
 MARKER = "ddlbench:trace"
 MIN_WAIT_S = 10e-6  # shorter waits (a gate whose update was already in) are not drawn
+WATCH_S = 20e-6  # between two polls of the pending units' handles
 
 
 class _Units:
@@ -53,13 +54,15 @@ class _Units:
         self.events: list[dict] = []  # finished units: issue, done, args
         self.pending: list[tuple[Any, float, dict]] = []
         self.lock = threading.Lock()
+        self.woken = threading.Condition(self.lock)  # a unit started, or the end
         self.stop = threading.Event()
         self.watcher = None
         if self.transport is not None:
             self.issue = self.transport.start
             self.transport.start = self._start  # shadows the method for these iterations
             self.watcher = start_thread(self._watch, name="ddlbench-trace-watcher",
-                                        device=device, stream=side_stream(device))
+                                        device=device,
+                                        stream=side_stream(device, "trace-watcher"))
 
     def _start(self, chunk: torch.Tensor, *, key: int):
         issued = time.perf_counter()
@@ -72,12 +75,17 @@ class _Units:
                         merged_with_next=chunk.numel() > unit.numel)
         with self.lock:
             self.pending.append((handle, issued, args))
+            self.woken.notify()
         return handle
 
     def _watch(self) -> None:
+        """Poll the pending units' handles every WATCH_S; with none pending, wait until a
+        unit starts or the trace ends."""
         while True:
-            stopping = self.stop.is_set()
             with self.lock:
+                while not self.pending and not self.stop.is_set():
+                    self.woken.wait()
+                stopping = self.stop.is_set()
                 pending = list(self.pending)
             now = time.perf_counter()
             for item in pending:
@@ -94,12 +102,14 @@ class _Units:
                         self.pending.remove(item)
             if stopping:
                 return
-            time.sleep(20e-6)
+            time.sleep(WATCH_S)
 
     def close(self, timeout_s: float) -> None:
         if self.transport is not None:
             del self.transport.start
-            self.stop.set()
+            with self.lock:
+                self.stop.set()
+                self.woken.notify()
             self.watcher.join(timeout_s)
 
 

@@ -12,7 +12,9 @@ and the optimizer step, timed by one of two clocks:
   calibrated by nothing but its 1-GPU throughput on that model and its spec sheet.
 - measured: wall-clock time on this machine's device, the median of a few iterations,
   in as many processes at once as a local run has workers, so the slowdown of sharing
-  this machine's cores is in the profile.
+  this machine's cores is in the profile; on GPUs each process on a GPU of its own, as
+  the launcher places workers (a profile needing more GPUs than there are is refused
+  before it starts: harness.config).
 
 Counting BERT-Large takes seconds, so counted traces are kept in
 `$XDG_CACHE_HOME/ddlbench/` (default ~/.cache/ddlbench/), keyed by the model's
@@ -31,7 +33,7 @@ from typing import Any
 from harness import config
 from harness.config.cache import MODELS, cached
 from harness.config.frozen import Config, thaw
-from harness.config.ranks import num_servers, num_workers, torch_threads
+from harness.config.ranks import num_servers, num_workers, profile_processes, torch_threads
 from harness.predict import trace
 
 
@@ -112,7 +114,7 @@ class ComputeProfiles:
         threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
         # every worker of a local or emulated cluster runs on this machine: profile as many
         # processes at once, so the profile has their sharing of its cores in it
-        together = num_workers(cfg) if cfg.cluster.name in ("local", "emulated") else 1
+        together = profile_processes(cfg)
         key = (config.to_json(model), threads, together)
         if key not in self.cache:
             print(f"profiling {model.name} on this machine ({together} process(es) of "

@@ -6,8 +6,10 @@ execution order, with the layers its forward needs), the moment each gradient is
 during backward (backward order, as the methods lay gradients out) and the optimizer
 step, stamped by a clock: work counted on the meta device (`count_work`, a cache
 miss: FLOPs, plus the bytes that operations without FLOPs move, weighed by a GPU's
-FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`). Each
-returns the fields of profile.Compute as a dict (what the cache keeps). torch, the
+FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`: on a GPU
+CUDA events, read once each iteration is over, so nothing waits inside it; each of
+several processes on a GPU of its own, as the launcher places workers). Each returns
+the fields of profile.Compute as a dict (what the cache keeps). torch, the
 models and the methods' torch side are imported inside the functions, so the predictor
 imports this module without them.
 """
@@ -135,7 +137,8 @@ def count_work(family: str, build: Mapping[str, Any], *, batch: int,
 def measure(model_cfg: Mapping[str, Any], *, processes: int, threads: int, iters: int,
             device: str, seed: int = 0) -> dict[str, Any]:
     """Steps timed on `device` in `processes` processes of `threads` threads at once (the
-    workers of a run sharing this machine); one process: in this one."""
+    workers of a run sharing this machine; on GPUs process k on GPU k: `devices`); one
+    process: in this one."""
     import torch
 
     torch.set_num_threads(threads)
@@ -145,10 +148,42 @@ def measure(model_cfg: Mapping[str, Any], *, processes: int, threads: int, iters
     return _measured(model_cfg, iters=iters, device=device, seed=seed)
 
 
+def devices(device: str, processes: int) -> list[str]:
+    """The device of each of `processes` profiling processes: GPU k for process k, as the
+    launcher gives worker k (harness.config's checks refuse more than there are)."""
+    return [f"cuda:{k}" for k in range(processes)] if device == "cuda" else [device] * processes
+
+
+def _stamp() -> torch.cuda.Event:
+    """A GPU's clock: an event at the end of the work queued so far on the current stream."""
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _in_seconds(trace: tuple[list, list, list]) -> tuple[list, list, list]:
+    """One iteration's stamps in seconds: a CPU's clock readings as they are; a GPU's events
+    once the last has happened, as seconds after the iteration's start (a gradient never
+    stamped, 0.0, stays at the start)."""
+    ends, ready, marks = trace
+    start = marks[0]
+    if isinstance(start, float):
+        return trace
+    marks[-1].synchronize()  # every event of the iteration was recorded before it
+
+    def sec(stamp) -> float:
+        return stamp if isinstance(stamp, float) else start.elapsed_time(stamp) / 1e3
+
+    return [(n, sec(t)) for n, t in ends], [sec(t) for t in ready], [sec(t) for t in marks]
+
+
 def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: int = 0,
               start: Callable[[], object] = lambda: None,
               keep_busy: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-    """Steps timed on `device` (synchronized at each stamp), median of `iters` iterations.
+    """Steps timed on `device`, median of `iters` iterations: on a CPU by the clock, on a
+    GPU by events read after each iteration (`_in_seconds`), never synchronizing inside it.
 
     `start` is called once the model is built, before the first iteration; after
     the timed ones, iterations go on while `keep_busy()` (load for other profiles).
@@ -156,19 +191,17 @@ def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: in
     import torch
 
     from harness.measure.bench import plain_training
-    from harness.measure.timing import device_sync
 
     where = torch.device(device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)  # the events' stream is the current device's
     model, optimizer, batch = plain_training(model_cfg, seed=seed, device=where)
-
-    def clock() -> float:
-        device_sync(where)
-        return time.perf_counter()
-
+    clock = _stamp if where.type == "cuda" else time.perf_counter
     start()
-    traces = [_trace(model, batch, clock, optimizer) for _ in range(2 + iters)][2:]
+    traces = [_in_seconds(_trace(model, batch, clock, optimizer))
+              for _ in range(2 + iters)][2:]
     while keep_busy():
-        _trace(model, batch, clock, optimizer)
+        _in_seconds(_trace(model, batch, clock, optimizer))
     order = [n for n, _ in traces[0][0]]
     # every stamp relative to its iteration's start, then the median per stamp
     rel = [([t - marks[0] for _, t in ends], [t - marks[0] for t in ready],
@@ -211,9 +244,10 @@ def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads:
 
     ctx = mp.get_context("spawn")
     barrier, finished, out = ctx.Barrier(processes), ctx.Value("i", 0), ctx.Queue()
-    args = (thaw(model_cfg), iters, device, seed, threads, barrier, finished, out)
-    procs = [ctx.Process(target=_profile_process, args=args, daemon=True)
-             for _ in range(processes)]
+    procs = [ctx.Process(target=_profile_process, daemon=True,
+                         args=(thaw(model_cfg), iters, where, seed, threads, barrier,
+                               finished, out))
+             for where in devices(device, processes)]
     for proc in procs:
         proc.start()
     try:
