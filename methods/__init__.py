@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
 # torch-side names, imported on first use (`methods.Engine`, `methods.serve`, ...)
-LAZY = {"Method": "methods.base", "Engine": "methods.engine", "on_engine": "methods.horovod",
+LAZY = {"Method": "methods.base", "Engine": "methods.engine", "on_engine": "methods.params",
         "serve": "methods.server", "stop_servers": "methods.ps"}
 
 __all__ = ["Method", "Engine", "build", "check", "on_engine", "serve", "stop_servers",

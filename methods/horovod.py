@@ -8,13 +8,13 @@ cycle time and fusion threshold the harness gave hvd.init (harness/launch/horovo
 are matched across ranks by name, not by issue order, so ranks may submit them in any
 order (`ordered = False`), as WFBP's gradient hooks did on Horovod.
 
-`on_engine` turns a method's config into its Horovod twin. Horovod is imported on
-first use, so native methods never need it installed.
+`methods.params.on_engine` turns a method's config into its Horovod twin (without torch:
+the configuration checks it). Horovod is imported on first use, so native methods never
+need it installed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,30 +22,6 @@ import torch.distributed as dist
 
 from methods.base import Done, GradBuffer, poll_until
 from methods.plan import Unit
-
-EMULATED = ("cycle_s", "fusion_bytes")  # a scheduler's stand-ins for Horovod's cycle and fusion
-
-
-def on_engine(method: Mapping[str, Any], engine: str) -> dict[str, Any]:
-    """`method` (a conf/method/ entry) as it runs on `engine`.
-
-    native: as written. horovod: its all-reduce transport becomes Horovod's, and the
-    scheduler's emulation of Horovod's cycle and fusion (`cycle_s`, `fusion_bytes`) is
-    dropped: Horovod's real ones (method.horovod, applied at hvd.init) do that job, and
-    doing it twice would delay and copy every piece twice. ValueError for any other
-    engine, or a method whose transport is not the all-reduce.
-    """
-    if engine == "native":
-        return dict(method)
-    if engine != "horovod":
-        raise ValueError(f"engine={engine!r} is unknown; choose native or horovod")
-    transport = method["transport"]["name"]
-    if transport != "allreduce":
-        raise ValueError(f"engine=horovod swaps a method's all-reduce for Horovod's, but method "
-                         f"{method['name']!r} uses transport {transport!r}; use engine=native "
-                         "with it, or an all-reduce method")
-    scheduler = {k: v for k, v in method["scheduler"].items() if k not in EMULATED}
-    return {**method, "transport": {"name": "horovod"}, "scheduler": scheduler}
 
 
 def _horovod() -> tuple[Any, str]:

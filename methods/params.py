@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,3 +151,30 @@ def wrong_type(params: type, key: str, value: Any) -> str | None:
     fits = isinstance(value, (int, float) if kind is float else kind) and not (
         isinstance(value, bool) and kind is not bool)
     return None if fits else TYPE_WORDS[kind]
+
+
+# -- engines -------------------------------------------------------------------------------
+
+EMULATED = ("cycle_s", "fusion_bytes")  # a scheduler's stand-ins for Horovod's cycle and fusion
+
+
+def on_engine(method: Mapping[str, Any], engine: str) -> dict[str, Any]:
+    """`method` (a conf/method/ entry) as it runs on `engine`.
+
+    native: as written. horovod: its all-reduce transport becomes Horovod's, and the
+    scheduler's emulation of Horovod's cycle and fusion (`cycle_s`, `fusion_bytes`) is
+    dropped: Horovod's real ones (method.horovod, applied at hvd.init) do that job, and
+    doing it twice would delay and copy every piece twice. ValueError for any other
+    engine, or a method whose transport is not the all-reduce.
+    """
+    if engine == "native":
+        return dict(method)
+    if engine != "horovod":
+        raise ValueError(f"engine={engine!r} is unknown; choose native or horovod")
+    transport = method["transport"]["name"]
+    if transport != "allreduce":
+        raise ValueError(f"engine=horovod swaps a method's all-reduce for Horovod's, but method "
+                         f"{method['name']!r} uses transport {transport!r}; use engine=native "
+                         "with it, or an all-reduce method")
+    scheduler = {k: v for k, v in method["scheduler"].items() if k not in EMULATED}
+    return {**method, "transport": {"name": "horovod"}, "scheduler": scheduler}
