@@ -279,9 +279,9 @@ def install(*, force: bool) -> None:
 
 def main(argv: list[str]) -> int:
     argv = ["--help"] if usage.asked(argv) else argv  # -help, help: argparse's help
-    parser = argparse.ArgumentParser(prog="python -m harness.install_horovod",
-                                     description=usage.description(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = usage.Parser(prog="python -m harness.install_horovod",
+                          description=usage.description(__doc__),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="rebuild even if installed")
     args = parser.parse_args(argv)
     try:

@@ -122,3 +122,11 @@ def test_a_parse_error_names_only_what_the_user_typed(module: str, args: list[st
     assert ("give key=value overrides" in out.stderr) == ("=" not in bad), out.stderr
     for unseen in ("run.force", "cluster=slurm", "quote the value"):
         assert unseen not in out.stderr, out.stderr
+
+
+def test_install_horovods_bad_argument_is_one_line_and_exit_2() -> None:
+    importlib.import_module("harness.install_horovod")
+    out = run_main("harness.install_horovod", "--nope")
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr == ("ddlbench: error: unrecognized arguments: --nope; see python -m "
+                          "harness.install_horovod --help\n")

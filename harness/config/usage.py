@@ -9,6 +9,7 @@ then returns 0 before it reads anything else, starts anything or writes anything
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -73,3 +74,10 @@ def say(help_text: str) -> None:
         print(help_text, flush=True)
     except BrokenPipeError:  # the reader has what it wanted
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with bad input as every command has it: one line, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"ddlbench: error: {message}; see {self.prog} --help\n")
