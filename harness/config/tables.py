@@ -57,8 +57,8 @@ def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
                           f"{fix}") from None
     missing = [c for c in columns if c not in table.columns]
     if missing or table.empty:
-        raise ConfigError(f"{where} {f'lacks columns {missing}' if missing else 'has no rows'}; "
-                          f"{fix}")
+        what = f"lacks columns {', '.join(missing)}" if missing else "has no rows"
+        raise ConfigError(f"{where} {what}; {fix}")
     for col in columns:
         _check_column(where, table, col, numeric=col in numeric, whole=col in whole)
     return table

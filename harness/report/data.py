@@ -123,7 +123,7 @@ def read_reference(path: str | Path) -> pd.DataFrame:
         raise ReportError(f"reference file '{path}' is unreadable ({exc}); {fix}") from None
     missing = [c for c in REF_COLUMNS if c not in ref.columns]
     if missing or ref.empty:
-        what = f"lacks columns {missing}" if missing else "has no rows"
+        what = f"lacks columns {', '.join(missing)}" if missing else "has no rows"
         raise ReportError(f"reference file '{path}' {what}; {fix}")
     for col in ("model", "method"):
         empty = ref[col].isna()
