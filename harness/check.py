@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from harness import config
-from harness.config import ConfigError, checks
+from harness.config import ConfigError, checks, usage
 from harness.config.ranks import external_rank, num_servers, num_workers
 from harness.launch import leftovers
 from harness.launch.launcher import check_launcher, launch
@@ -207,6 +207,8 @@ def clean(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     if "--clean" in argv:
         return clean(argv)
     try:

@@ -2,7 +2,8 @@
 
     ddlbench run model=bert_tiny method=ddp cluster.workers_per_node=2
     ddlbench report results_dir=results out_dir=plots
-    ddlbench --help
+    ddlbench --help                 # the commands; ddlbench <command> --help: one of them
+    ddlbench help run               # the same as ddlbench run --help
 
 `ddlbench <command> ...` is `python -m harness.<command> ...`, run the same way (the
 module as __main__), so it behaves, exits and stops on Ctrl-C exactly as that does.
@@ -14,6 +15,8 @@ import difflib
 import runpy
 import sys
 
+from harness.config import usage as help_of
+
 COMMANDS = {  # name: (module, what it does)
     "run": ("harness.run", "benchmark one configuration, or a sweep"),
     "verify": ("harness.verify", "check a method is lossless against one process"),
@@ -24,6 +27,7 @@ COMMANDS = {  # name: (module, what it does)
     "submit": ("harness.submit", "submit a sweep as a Slurm job array"),
     "microbench": ("harness.microbench", "measure the network"),
     "methodbench": ("harness.methodbench", "measure every method against ddp (make bench)"),
+    "install_horovod": ("harness.install_horovod", "build Horovod into this venv (make horovod)"),
 }
 
 
@@ -31,13 +35,16 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:{width}}  {what}" for name, (_, what) in COMMANDS.items()]
     return ("usage: ddlbench <command> [arguments]   (ddlbench <command> --help: its own)\n\n"
-            "commands:\n" + "\n".join(lines))
+            "commands:\n" + "\n".join(lines) + "\n\ne.g. ddlbench run model=bert_tiny "
+            "method=ddp cluster.workers_per_node=2")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+    if argv[:1] == ["help"] and argv[1:]:  # help run: run --help
+        argv = [argv[1], "--help"]
+    if not argv or help_of.asked(argv[:1]):
+        help_of.say(usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -1,4 +1,8 @@
-"""`python -m harness.install_horovod` (`make horovod`): build Horovod 0.28.1 into this venv.
+"""`python -m harness.install_horovod [--force]`: build Horovod 0.28.1 into this venv.
+
+    make horovod                               # the same, once the venv exists
+    python -m harness.install_horovod --force  # rebuild even if it is built
+    HOROVOD_GPU_OPERATIONS=NCCL python -m harness.install_horovod   # with NCCL operations
 
 Horovod's last release asks CMake for C++14, which the headers of every torch since
 2.1 refuse (the upstream fix came after the release). So this fetches the release's
@@ -35,6 +39,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from harness.config import usage
 from harness.config.engine import VERSION
 
 CMAKE_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
@@ -276,8 +281,10 @@ def install(*, force: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.install_horovod",
-                                     description=__doc__.split("\n\n")[0])
+    argv = ["--help"] if usage.asked(argv) else argv  # -help, help: argparse's help
+    parser = usage.Parser(prog="python -m harness.install_horovod",
+                          description=usage.description(__doc__),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="rebuild even if installed")
     args = parser.parse_args(argv)
     try:

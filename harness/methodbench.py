@@ -4,7 +4,7 @@
     python -m harness.methodbench --rounds 1 --models bert_tiny --timed-iters 10
     python -m harness.methodbench --engines native     # without the Horovod twins
     python -m harness.methodbench --simulate           # the simulator's wall time instead
-    python -m harness.methodbench --nodes 2 --workers 2 --methods bsp_ps,wfbp_ps \
+    python -m harness.methodbench --nodes 2 --workers 2 --methods bsp_ps,wfbp_ps \\
         --node-reduce scatter,root                     # PS with servers, both node paths
 
 Runs every method of conf/method/ on each model at each worker count through
@@ -63,7 +63,7 @@ import pandas as pd
 
 from harness import config
 from harness import run as harness_run
-from harness.config import checks, paths
+from harness.config import checks, paths, usage
 from harness.config.schema import ENGINES
 from harness.launch.launcher import launch
 from harness.measure import progress, results
@@ -91,7 +91,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m harness.methodbench", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m harness.methodbench", description=usage.description(__doc__),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet50_small,bert_tiny")
     parser.add_argument("--methods", default=",".join(config.choices("method")))
     parser.add_argument("--workers", default="1,2", help="worker counts (per node)")
@@ -339,6 +340,7 @@ def round_runs(runs: dict[int, list[str]], rnd: int) -> list[tuple[int, str]]:
 
 
 def main(argv: list[str]) -> int:
+    argv = ["--help"] if usage.asked(argv) else argv  # -help, help: argparse's help
     try:
         args = parse_args(argv)
         if args.simulate:

@@ -1,5 +1,11 @@
 """`python -m harness.microbench [cluster=...] [network=...]`: the network as the methods see it.
 
+    python -m harness.microbench cluster.workers_per_node=2          # this machine's loopback
+    python -m harness.microbench cluster=emulated cluster.nodes=2 network=eth1g
+
+Main keys: cluster=, network= (names below), cluster.nodes, cluster.workers_per_node,
+microbench.min_bytes=1024, microbench.max_bytes=16777216, microbench.repeats=5, results_dir.
+
 Times point-to-point transfers (half a round trip) and all-reduces over all workers
 for message sizes from `microbench.min_bytes` to
 `microbench.max_bytes` (powers of 4), on the configured cluster (local, emulated or
@@ -20,7 +26,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from harness.config import ConfigError
+from harness.config import ConfigError, usage
 from harness.config.ranks import num_workers
 from harness.launch.launcher import command
 from harness.launch.rank import exit_now
@@ -40,6 +46,8 @@ def two_workers(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     return command(argv, name="harness.microbench", entry=ENTRY, check=two_workers)
 
 

@@ -1,7 +1,7 @@
 """`python -m harness.plan [overrides] [--json FILE]`: the communication plan of a method.
 
     python -m harness.plan model=resnet50 method=wfbp_ps cluster.nodes=4
-    python -m harness.plan model=bert_base method=mgwfbp network=ib100_rdma \
+    python -m harness.plan model=bert_base method=mgwfbp network=ib100_rdma \\
         cluster.nodes=2 cluster.workers_per_node=4 simulate.compute=rtx2080ti --json plan.json
 
 Prints what a method will communicate, without training: its units in the order
@@ -24,11 +24,13 @@ import sys
 from pathlib import Path
 
 from harness import config
-from harness.config import checks, paths
+from harness.config import checks, paths, usage
 from harness.predict.plans import describe, mgwfbp_inputs, plan_of, render, tensors
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     out = None
     if "--json" in argv:
         i = argv.index("--json")

@@ -1,12 +1,21 @@
 """`python -m harness.run [overrides]`: benchmark one configuration, or a sweep.
 
     python -m harness.run model=bert_tiny method=ddp cluster.workers_per_node=2
-    python -m harness.run -m experiment=smoke
+    python -m harness.run -m method=bsp_a2a,ddp cluster.workers_per_node=1,2   # a sweep
+    python -m harness.run experiment=smoke                                      # a recipe
+
+Main keys (defaults in conf/bench.yaml):
+  model= method= cluster= network=   what runs where (their names are listed below)
+  engine=native|horovod              what runs an all-reduce method's collectives
+  cluster.workers_per_node           workers per node (x cluster.nodes)
+  run.timed_iters, run.repeats       the timing protocol (after run.warmup_iters)
+  run.force=true                     lift the limits of what fits this machine
+  results_dir=results                where the result shards (parquet) go
 
 Every job of a sweep is composed and validated before the first one starts; a
 bad value stops everything with a one-line error and exit code 2. A failed job
 leaves a failed row and the sweep goes on; Ctrl-C or SIGTERM stops the sweep
-(exit code 130 / 143).
+(exit code 130 / 143). `python -m harness.report` draws the results.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import sys
 import time
 
 from harness import config
-from harness.config import checks
+from harness.config import checks, usage
 from harness.launch.launcher import check_launcher, launch
 from harness.launch.rank import exit_now
 from harness.measure import progress
@@ -25,6 +34,8 @@ STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped la
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     try:
         checks.used_by("harness.run", argv)
         jobs = config.expand(argv)
@@ -50,7 +61,7 @@ def main(argv: list[str]) -> int:
         failed += code != 0
     if len(jobs) > 1:
         print(f"{len(jobs) - failed} of {len(jobs)} jobs succeeded; results in "
-              f"{cfgs[0].results_dir}/ (draw them: python -m harness.report)")
+              f"{cfgs[0].results_dir}/")  # `make run` draws them next; --help says how
     return 1 if failed else 0
 
 

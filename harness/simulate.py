@@ -1,5 +1,26 @@
 """`python -m harness.simulate experiment=<name> network=<profile>`: predict a sweep.
 
+    python -m harness.simulate experiment=paper network=ib100_rdma simulate.advise=true
+    python -m harness.simulate experiment=whatif      # 10,044 configurations
+    python -m harness.simulate model=resnet50 method=wfbp_ps cluster.nodes=4 \\
+        cluster.workers_per_node=4 network=eth10_tcp simulate.compute=rtx2080ti
+
+Main keys: experiment=, model=, method=, network= (names below), cluster.nodes,
+cluster.workers_per_node, simulate.compute (measured: profile the model here; or a GPU of
+simulate.gpus, e.g. rtx2080ti), simulate.reference / simulate.calibrate (a CSV or results
+folder to validate against / fit on), simulate.advise=true, simulate.trace=true,
+results_dir.
+
+Every configuration of the sweep becomes one result row with source=simulated (one
+shard per simulation), so `harness.report` draws simulated figures with the same code;
+the best method per model, network and GPU count is printed and written beside the
+shard (<run_id>_best.csv). A sweep of more than a few hundred configurations (e.g.
+experiment=whatif, 10,044 of them) prints its progress instead of a line each, and
+shares the work among this machine's cores.
+`simulate.calibrate=<csv>` fits each method's costs that no fact gives on one node's
+measurements (harness.predict.calibrate), `simulate.reference=<csv>` validates against
+measured throughputs, `simulate.advise=true` ranks the methods per model and cluster.
+
 A discrete-event model of training iterations, per configuration:
 
 - compute: per-tensor forward and backward times (harness.predict.profile): FLOPs and
@@ -19,16 +40,6 @@ A discrete-event model of training iterations, per configuration:
   its own link, fed once per node with node-local aggregation (none on one node: the
   partitions are all-reduced there). Server-side scheduling only reorders a server's
   summations, which this model does not time: it predicts bytescheduler_ps as wfbp_ps.
-
-Every configuration of the sweep becomes one result row with source=simulated (one
-shard per simulation), so `harness.report` draws simulated figures with the same code;
-the best method per model, network and GPU count is printed and written beside the
-shard (<run_id>_best.csv). A sweep of more than a few hundred configurations (e.g.
-experiment=whatif, 10,044 of them) prints its progress instead of a line each, and
-shares the work among this machine's cores.
-`simulate.calibrate=<csv>` fits each method's costs that no fact gives on one node's
-measurements (harness.predict.calibrate), `simulate.reference=<csv>` validates against
-measured throughputs, `simulate.advise=true` ranks the methods per model and cluster.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from __future__ import annotations
 import sys
 
 from harness import config
-from harness.config import checks, paths
+from harness.config import checks, paths, usage
 from harness.predict import calibrate
 from harness.predict.sweep import predict_sweep, write
 
@@ -44,6 +55,8 @@ MAX_TRACES = 64  # simulate.trace: a file per configuration
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     try:
         checks.used_by("harness.simulate", argv)
         jobs = config.sweep(argv)

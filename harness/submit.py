@@ -35,7 +35,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import config
-from harness.config import checks
+from harness.config import checks, usage
 from harness.config.frozen import thaw
 from harness.config.ranks import num_servers, num_workers
 from harness.config.schema import step_ending
@@ -145,6 +145,8 @@ def describe(task: Task) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     try:
         overrides, own = split_args(argv)
         checks.used_by("harness.submit", overrides)

@@ -1,5 +1,11 @@
 """`python -m harness.verify [overrides]`: is a method lossless on this cluster?
 
+    python -m harness.verify model=bert_tiny method=bsp_a2a cluster.workers_per_node=3
+    python -m harness.verify method=bsp_ps cluster.workers_per_node=2 verify.steps=5
+
+Main keys: model=, method=, cluster= (names below), verify.steps=3, verify.atol=1e-5,
+verify.rtol=1.3e-6.
+
 Runs `verify.steps` training steps of the configured method on every worker
 and, on rank 0, of a single-process reference that processes the same N local
 batches one after another, averages their gradients and steps the same
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import sys
 
+from harness.config import usage
 from harness.launch.launcher import command
 from harness.launch.rank import exit_now
 
@@ -20,6 +27,8 @@ ENTRY = "harness.measure.verify"  # what every rank runs
 
 
 def main(argv: list[str]) -> int:
+    if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
+        return 0
     return command(argv, name="harness.verify", entry=ENTRY)
 
 

@@ -10,7 +10,9 @@ Add a row, get a test.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -121,8 +123,8 @@ ROWS = [
     ("harness.simulate", [*STUDY, "simulate.calibrate={tmp}/inf.csv"],
      ["throughput_mean has value inf (row 1)"]),
     ("harness.simulate", [*STUDY, "simulate.reference={tmp}/twice.csv"],
-     ["has 2 rows for model resnet50, method bsp_a2a, network ib100_rdma at 4 GPUs",
-      "keep one row per cell"]),
+     ["{tmp}/twice.csv has 2 rows for one cell (model resnet50, method bsp_a2a, network "
+      "ib100_rdma, gpus 4): rows 1 and 2; keep one"]),
     ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
                                  "reference={tmp}/pubneg.csv"],
      ["throughput_mean has value -300 (line 2)", "positive, finite"]),
@@ -259,7 +261,77 @@ ROWS = [
     ("harness.simulate", ["simulate.compute=measured", "cluster.device=cuda",
                           "cluster.workers_per_node=512", "run.force=true"],
      ["simulate.compute=measured", "GPU", "cluster.device=cpu"]),
+    # -- issue 37: deleted keys, parse errors, reference files, traces ----------------------
+    ("harness.run", ["~run.seed"], ["~run.seed: run.seed is required", "silently put back",
+                                    "drop ~run.seed, or set it: run.seed=<value>"]),
+    ("harness.simulate", [*STUDY, "~run"], ["~run: run is required", "run.<key>=<value>"]),
+    ("harness.verify", ["~cluster.workers_per_node"], ["cluster.workers_per_node is required"]),
+    ("harness.microbench", ["~results_dir"], ["results_dir is required"]),
+    ("harness.check", ["~model.local_batch_size"], ["model.local_batch_size is required"]),
+    ("harness.run", ["~cluster"], ["~cluster: every configuration needs a cluster",
+                                   "cluster=<emulated | local | slurm>"]),
+    ("harness.plan", ["~network"], ["every configuration needs a network", "network=<"]),
+    ("harness.run", ["model=bert_tiny", "nope"], ["Error parsing override 'nope'",
+                                                  "give key=value overrides"]),
+    ("harness.plan", ["--json"], ["--json needs a file name"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/empty.csv"],
+     ["{tmp}/empty.csv: column throughput_mean has an empty value (row 1)"]),
+    ("harness.simulate", [*STUDY, "simulate.calibrate={tmp}/nomodel.csv"],
+     ["column model has an empty value (row 1)"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/frac.csv"],
+     ["column gpus has value 2.5 (row 1)", "positive whole number"]),
+    ("harness.simulate", [*STUDY, "simulate.reference={tmp}/extra.csv"],
+     ["a row has more fields than the header has columns"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubdup.csv"],
+     ["reference file '{tmp}/pubdup.csv' has 2 rows for one cell (model resnet50, "
+      "local_batch_size 64, network ib100_rdma, method bsp_a2a, gpus 4): lines 2 and 3"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubempty.csv"],
+     ["column throughput_mean has an empty value (line 2)"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubbig.csv"],
+     ["column gpus has value 1e+23 (line 2)", "whole number"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubbatch.csv"],
+     ["column local_batch_size has value -64 (line 2)"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "reference={tmp}/pubmodel.csv"],
+     ["column model has an empty value (line 2)"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "timeline={tmp}/list.json"],
+     ["timeline={tmp}/list.json cannot be read as a trace: it holds a JSON list",
+      "run.trace=true"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "timeline={tmp}/ts.json"],
+     ["traceEvents[1].ts is \"abc\"; it must be a number"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "timeline={tmp}/about.json"],
+     ["ddlbench.workers is missing (a whole number is needed)"]),
+    ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
+                                 "timeline={tmp}/deep.json"], ["nested too deeply"]),
 ]
+ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
+         "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"
+EVENTS = [{"ph": "M", "pid": 1_000_000, "tid": 1, "name": "thread_name", "args": {"name": "c"}},
+          {"ph": "X", "pid": 1_000_000, "tid": 1, "name": "forward", "ts": "abc", "dur": 1}]
+FILES.update({  # issue 37's
+    "empty.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,\n",
+    "nomodel.csv": "model,method,network,gpus,throughput_mean\n,bsp_a2a,ib100_rdma,4,9\n",
+    "frac.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,2.5,9\n",
+    "extra.csv": "model,method,network,gpus,throughput_mean\nresnet50,bsp_a2a,ib100_rdma,4,9,1\n",
+    "pubdup.csv": f"{PUBLISHED}\nresnet50,64,ib100_rdma,bsp_a2a,4,300,1,200\n"
+                  "resnet50,64,ib100_rdma,bsp_a2a,4.0,310,1,200\n",
+    "pubempty.csv": f"{PUBLISHED}\nresnet50,64,ib100_rdma,bsp_a2a,4,,1,200\n",
+    "pubbig.csv": f"{PUBLISHED}\nresnet50,64,ib100_rdma,bsp_a2a,99999999999999999999999,3,1,2\n",
+    "pubbatch.csv": f"{PUBLISHED}\nresnet50,-64,ib100_rdma,bsp_a2a,4,300,1,200\n",
+    "pubmodel.csv": f"{PUBLISHED}\n,64,ib100_rdma,bsp_a2a,4,300,1,200\n",
+    "list.json": "[1, 2]",
+    "ts.json": json.dumps({"ddlbench": {**ABOUT, "workers": 1}, "traceEvents": EVENTS}),
+    "about.json": json.dumps({"ddlbench": ABOUT, "traceEvents": []}),
+    "deep.json": "[" * 100_000 + "]" * 100_000,
+})
+NUMPY_REPR = re.compile(r"\b(np|numpy)\.\w+\(")  # np.float64(nan), np.int64(64)
 DEFAULTS = {  # where each command would write, inside the scratch folder
     "harness.run": ["results_dir={tmp}/results", *TINY],
     "harness.verify": ["results_dir={tmp}/results", *TINY],
@@ -308,6 +380,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(module: str, args: lis
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert len(lines) == 1 and lines[0].startswith("ddlbench: error: "), out.stderr
+    assert not NUMPY_REPR.search(lines[0]), f"a library's repr in a message: {lines[0]}"
     for fragment in fragments:
         assert fragment.format(tmp=tmp_path) in lines[0], lines[0]
     assert _files(tmp_path) == before, "bad input may write nothing"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -131,3 +132,60 @@ def test_the_report_names_a_file_that_is_not_a_trace(tmp_path) -> None:
     assert f"timeline={bogus} cannot be read as a trace" in out.stderr
     assert "run.trace=true" in out.stderr
     assert not (tmp_path / "plots").exists()  # a user error writes nothing
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    """A predicted trace (simulate.trace=true) as parsed JSON."""
+    results_dir = tmp_path_factory.mktemp("predicted")
+    out = run_module("harness.simulate", "model=bert_base", "method=wfbp_a2a",
+                     "network=eth10_tcp", "cluster.workers_per_node=4",
+                     "simulate.compute=rtx2080ti", "simulate.trace=true",
+                     f"results_dir={results_dir}")
+    assert out.returncode == 0, out.stderr
+    [path] = _trace_files(results_dir)
+    return json.loads(path.read_text())
+
+
+def _part(trace: dict, where: str) -> dict:
+    """The object of `trace` that `where` names: "top", "ddlbench", the first event of the
+    harness's of a kind ("X", "b"), or its args ("b.args")."""
+    if where in ("top", "ddlbench"):
+        return trace if where == "top" else trace["ddlbench"]
+    ph, _, args = where.partition(".")
+    event = next(e for e in trace["traceEvents"] if e.get("pid") == traces.PID and e["ph"] == ph)
+    return event[args] if args else event
+
+
+GONE = object()
+BROKEN = [  # (where, key, value or GONE, what the refusal names)
+    ("ddlbench", "traced_us", "x", 'ddlbench.traced_us is "x"'),
+    ("ddlbench", "workers", "8", 'ddlbench.workers is "8"; it must be a whole number'),
+    ("ddlbench", "model", GONE, "ddlbench.model is missing (a string is needed)"),
+    ("top", "traceEvents", {}, "traceEvents is a JSON object, not a list"),
+    ("X", "ts", "12:00", '.ts is "12:00"; it must be a number'),
+    ("X", "dur", True, ".dur is true; it must be a number"),
+    ("b", "id", None, ".id is null; it must be a whole number"),
+    ("X", "tid", 99, "is on thread (tid) 99, which no thread_name"),
+    ("b.args", "unit", "x", "its unit a whole number"),
+]
+
+
+@pytest.mark.parametrize("where, key, value, named", BROKEN,
+                         ids=[f"{w}.{k}" for w, k, *_ in BROKEN])
+def test_a_broken_trace_is_refused_naming_the_field(predicted, where, key, value, named,
+                                                    tmp_path) -> None:
+    """Each field the report reads, of the wrong type or missing: a ValueError naming it
+    (the report's one line), before any of it is drawn."""
+    path = tmp_path / "t.trace.json"
+    path.write_text(json.dumps(predicted))
+    assert traces.read(path).bars  # the real one reads
+    trace = json.loads(json.dumps(predicted))
+    part = _part(trace, where)
+    if value is GONE:
+        del part[key]
+    else:
+        part[key] = value
+    path.write_text(json.dumps(trace))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        traces.read(path)

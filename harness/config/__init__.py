@@ -1,5 +1,6 @@
 """The configuration room: composition and sweeps (compose), typed schemas (schema), the
-rules every configuration keeps (rules), input checks (checks), read-only configurations
+rules every configuration keeps (rules), input checks (checks), input tables (tables),
+every command's --help (usage), read-only configurations
 of simulated sweeps (frozen), who the ranks are (ranks), what engine=horovod needs
 (engine) and the cache of compositions and model facts (cache). Nothing here starts a
 process, and nothing here imports torch.

@@ -1,10 +1,10 @@
 """Checks of a composed config and of a command's inputs, before anything starts.
 
 Against this machine (processes, memory, threads), the key names (the closest valid
-ones), the types of free-form keys, and input tables (`read_table`); output paths are
-checked by harness/config/paths.py. Each raises `ConfigError` with one line naming the
-value, the limit or the problem, and the fix. `config.validate` runs the config checks on
-every job.
+ones) and the types of free-form keys; output paths are checked by harness/config/paths.py,
+input tables by harness/config/tables.py. Each raises `ConfigError` with one line naming
+the value, the limit or the problem, and the fix. `config.validate` runs the config checks
+on every job.
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ import difflib
 import os
 import shutil
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config.frozen import Config, leaves, select, thaw
@@ -313,37 +310,6 @@ def _free_form(parent: str) -> bool:
             return isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
         parts.pop()
     return False
-
-
-def read_table(where: str, path: str, *, read: Callable[[str], pd.DataFrame],
-               columns: list[str], numeric: list[str]) -> pd.DataFrame:
-    """`read(path)`, a table with `columns` and rows whose `numeric` columns are positive,
-    finite numbers; else ConfigError naming `where` and the problem."""
-    fix = f"give a CSV with columns {', '.join(columns)} or a folder of measured results"
-    try:
-        table = read(path)
-    except FileNotFoundError:
-        raise ConfigError(f"{where} does not exist; {fix}") from None
-    except (OSError, ValueError) as exc:  # parser and decode errors are ValueErrors
-        raise ConfigError(f"{where} is unreadable ({first_line(exc, type(exc).__name__)}); "
-                          f"{fix}") from None
-    missing = [c for c in columns if c not in table.columns]
-    if missing or table.empty:
-        raise ConfigError(f"{where} {f'lacks columns {missing}' if missing else 'has no rows'}; "
-                          f"{fix}")
-    for col in numeric:
-        values = pd.to_numeric(table[col], errors="coerce")
-        bad = values.isna().to_numpy()
-        if bad.any():
-            raise ConfigError(f"{where}: column {col} has non-numeric value "
-                              f"{table[col][bad].iloc[0]!r} (row {bad.argmax() + 1}); fix it")
-        numbers = values.to_numpy(dtype=float)
-        bad = ~(numbers > 0) | ~np.isfinite(numbers)
-        if bad.any():
-            raise ConfigError(f"{where}: column {col} has value {float(values[bad].iloc[0]):g} "
-                              f"(row {bad.argmax() + 1}); it must be a positive, finite number")
-        table[col] = values
-    return table
 
 
 # Sections of conf/bench.yaml a command never reads, and the command that does read each:

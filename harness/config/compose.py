@@ -12,12 +12,10 @@ and exit 2. A simulated sweep's jobs load as read-only Frozen configurations
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import functools
 import itertools
 import os
-import typing
 from typing import Any
 
 from hydra import compose, initialize_config_dir
@@ -45,20 +43,38 @@ def _parse_one(override: str):
 
 
 def _parse(overrides: list[str]) -> list:
+    """Hydra's parse of each override, deletions of keys every configuration has refused
+    (diagnose.deleted); ConfigError names the first override that does not parse."""
     try:
-        return [_parse_one(o) for o in overrides]
-    except Exception:  # noqa: BLE001 - a bad one: parsed again below for Hydra's message
-        pass
-    try:
-        return OverridesParser.create().parse_overrides(overrides)
-    except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
-        split = next((i for i, o in enumerate(overrides) if i and "=" not in o
-                      and "=" in overrides[i - 1]), None)  # `key=a b`: a value with a space
-        hint = "" if split is None else (
-            f"; if '{overrides[split]}' belongs to {overrides[split - 1]}, quote the value "
-            f"with its spaces: '{overrides[split - 1]} {overrides[split]}'")
-        raise ConfigError(f"cannot parse overrides {overrides}: "
-                          f"{first_line(exc, type(exc).__name__)}{hint}") from None
+        parsed = [_parse_one(o) for o in overrides]
+    except Exception:  # noqa: BLE001 - a bad one: named below, with Hydra's message
+        raise ConfigError(_unparsable(overrides)) from None
+    for ov in parsed:
+        if ov.type == OverrideType.DEL and ov.package is None:
+            diagnose.deleted(ov.input_line, ov.key_or_group, choices)
+    return parsed
+
+
+def _unparsable(overrides: list[str]) -> str:
+    """The message for the first override Hydra cannot parse: only that one, and where it
+    follows a text value, the hint that the shell split a value with a space in it."""
+    for i, override in enumerate(overrides):
+        try:
+            _parse_one(override)
+            continue
+        except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
+            error = first_line(exc, type(exc).__name__)
+        if repr(override) not in error:
+            error = f"cannot parse {override!r}: {error}"
+        before = _parse_one(overrides[i - 1]) if i and "=" in overrides[i - 1] else None
+        if "=" not in override and before is not None and isinstance(before.value(), str) \
+                and before.key_or_group not in GROUPS:  # `key=a b`: a value with a space
+            return (f"{error}; if {override!r} belongs to "
+                    f"{before.input_line}, quote the value with its spaces: "
+                    f"'{before.input_line} {override}'")
+        fix = "" if "=" in override else "; give key=value overrides (a list: --help)"
+        return f"{error}{fix}"
+    return f"cannot parse overrides {overrides}"
 
 
 def _check_choices(overrides: list[str]) -> None:
@@ -305,40 +321,13 @@ def _typed_value(override: str) -> tuple[str, Any] | None:
     key, value = parsed.key_or_group, parsed.value()
     if "${" in repr(value):
         return None
-    kind = _schema_kind(key)
+    kind = diagnose.schema_kind(key)
     if kind == "free":
         return key, value
     if kind != "typed":
         return None
     _schema_errors(OmegaConf.update, _scratch(), key, value, merge=False)
     return key, thaw(OmegaConf.select(_scratch(), key))
-
-
-def _schema_kind(key: str) -> str:
-    """"typed": a field of the schema's dataclasses (or a whole free-form mapping);
-    "free": a key inside a free-form mapping (model.build, method.*, network,
-    simulate.gpus), whose value is kept as given; "unknown": anything else (a key below a
-    field that is null by default, or none of the schema's)."""
-    node: Any = BenchConf
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        hint = _hints(node).get(part)
-        last = i == len(parts) - 1
-        if hint is None:
-            return "unknown"
-        if last:
-            return "typed"
-        if typing.get_origin(hint) is dict:
-            return "free"
-        if not dataclasses.is_dataclass(hint):
-            return "unknown"
-        node = hint
-    return "unknown"
-
-
-@functools.cache
-def _hints(dataclass: type) -> dict[str, Any]:
-    return typing.get_type_hints(dataclass) if dataclasses.is_dataclass(dataclass) else {}
 
 
 @functools.cache

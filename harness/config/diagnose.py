@@ -1,16 +1,21 @@
 """What went wrong in a composition, said in the user's terms: the YAML file that does
-not parse (Hydra's message names neither the file nor the line), and the required value
-that a deleted group left without one."""
+not parse (Hydra's message names neither the file nor the line), the required value
+that a deleted group left without one, and a deleted key the schema would silently put
+back; and what the schema makes of a key (`schema_kind`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.schema import ConfigError, first_line
+from harness.config.schema import GROUPS, BenchConf, ConfigError, first_line
 
 
 def is_yaml_error(exc: BaseException | None) -> bool:
@@ -49,3 +54,46 @@ def required(cfg: DictConfig, choices: Callable[[str], list[str]]) -> None:
                else f"give it: {key}=<value>")
         raise ConfigError(f"{key} has no value, and it is required (was {group} deleted with "
                           f"~{group}?); {fix}")
+
+
+def deleted(override: str, key: str, choices: Callable[[str], list[str]]) -> None:
+    """ConfigError for `override`, a deletion (`~key`), when `key` is one every configuration
+    has: the schema would put its default back without a word (`~run.seed` ran with seed 0).
+    Deleting `~model` or `~method` is left to `required`, which names what is missing."""
+    if key in ("model", "method", "experiment") or schema_kind(key) != "typed":
+        return
+    if key in GROUPS:
+        names = " | ".join(choices(key))
+        raise ConfigError(f"{override}: every configuration needs a {key}; drop {override}, "
+                          f"or choose one: {key}=<{names}>")
+    section = isinstance(OmegaConf.select(OmegaConf.structured(BenchConf), key), DictConfig)
+    what = f"set its keys instead ({key}.<key>=<value>)" if section else f"set it: {key}=<value>"
+    raise ConfigError(f"{override}: {key} is required, and deleting it would silently put back "
+                      f"its default; drop {override}, or {what}")
+
+
+def schema_kind(key: str) -> str:
+    """"typed": a field of the schema's dataclasses (or a whole free-form mapping);
+    "free": a key inside a free-form mapping (model.build, method.*, network,
+    simulate.gpus), whose value is kept as given; "unknown": anything else (a key below a
+    field that is null by default, or none of the schema's)."""
+    node: Any = BenchConf
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hint = _hints(node).get(part)
+        last = i == len(parts) - 1
+        if hint is None:
+            return "unknown"
+        if last:
+            return "typed"
+        if typing.get_origin(hint) is dict:
+            return "free"
+        if not dataclasses.is_dataclass(hint):
+            return "unknown"
+        node = hint
+    return "unknown"
+
+
+@functools.cache
+def _hints(dataclass: type) -> dict[str, Any]:
+    return typing.get_type_hints(dataclass) if dataclasses.is_dataclass(dataclass) else {}

@@ -13,6 +13,7 @@ collective stream or server (when each was busy with which unit). The top-level 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,27 +84,117 @@ class Timeline:
 
 
 def read(path: str | Path) -> Timeline:
-    """The harness's lanes of a trace file, in seconds from its traced iteration's start."""
-    trace = json.loads(Path(path).read_text())
-    info = trace.get("ddlbench")
-    if not isinstance(info, dict) or "traced_us" not in info:
-        raise ValueError(f"{path} is not a ddlbench trace (no 'ddlbench' key); write one with "
-                         "run.trace=true or simulate.trace=true")
+    """The harness's lanes of a trace file, in seconds from its traced iteration's start.
+    ValueError (OSError: unreadable) says what in it is not a ddlbench trace: its shape,
+    a field missing or of the wrong type, checked before any is used."""
+    try:
+        trace = json.loads(Path(path).read_text())
+    except RecursionError:
+        raise ValueError("it is nested too deeply to be a trace") from None
+    info, events = _checked(trace)
     start, end = info["traced_us"]
-    ours = [e for e in trace["traceEvents"] if e.get("pid") == PID]
-    names = {e["tid"]: e["args"]["name"] for e in ours
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    ours = [(i, e) for i, e in enumerate(events) if e.get("pid") == PID]
+    names = {e["tid"]: e["args"]["name"] for _, e in ours
+             if e["ph"] == "M" and e.get("name") == "thread_name"}
     bars, begun = [], {}
-    for e in ours:
-        ph = e.get("ph")
-        if ph == "X":
+    for i, e in ours:
+        if e["ph"] in ("X", "b") and e["tid"] not in names:
+            raise ValueError(f"traceEvents[{i}] is on thread (tid) {e['tid']}, which no "
+                             f"thread_name event of pid {PID} names")
+        if e["ph"] == "X":
             bars.append(Bar(names[e["tid"]], e["name"], (e["ts"] - start) / 1e6,
                             (e["ts"] + e["dur"] - start) / 1e6, e.get("args", {})))
-        elif ph == "b":
+        elif e["ph"] == "b":
             begun[e["id"]] = e
-        elif ph == "e" and e["id"] in begun:
+        elif e["ph"] == "e" and e["id"] in begun:
             b = begun.pop(e["id"])
             bars.append(Bar(names[b["tid"]], b["name"], (b["ts"] - start) / 1e6,
                             (e["ts"] - start) / 1e6, b.get("args", {})))
     lanes = [names[t] for t in sorted(names)]
     return Timeline(info, (end - start) / 1e6, lanes, bars)
+
+
+FIX = "write one with run.trace=true or simulate.trace=true"
+ABOUT = {"source": str, "model": str, "method": str, "workers": int, "network": str,
+         "local_batch_size": int}  # what the report reads of `about` (and "rank", measured)
+EVENT = {"X": {"name": str, "tid": int, "ts": float, "dur": float},  # what each kind needs
+         "b": {"name": str, "tid": int, "ts": float, "id": int},
+         "e": {"ts": float, "id": int},
+         "M": {"tid": int}}
+
+
+def _checked(trace: object) -> tuple[dict, list[dict]]:
+    """(about, events) of a parsed trace file, every field `read` uses of the right type."""
+    if not isinstance(trace, dict):
+        raise ValueError(f"it holds a JSON {_kind(trace)}, not a trace's object; {FIX}")
+    info, events = trace.get("ddlbench"), trace.get("traceEvents")
+    if not isinstance(info, dict) or "traced_us" not in info:
+        raise ValueError(f"it is not a ddlbench trace (no 'ddlbench' key); {FIX}")
+    span_us = info["traced_us"]
+    if not (isinstance(span_us, list) and len(span_us) == 2 and all(map(_number, span_us))
+            and span_us[0] < span_us[1]):
+        raise ValueError(f"ddlbench.traced_us is {_show(span_us)}; it must be [start, end] in "
+                         "microseconds, start < end")
+    needs = {**ABOUT, "rank": int} if info.get("source") == "measured" else ABOUT
+    for key, kind in needs.items():
+        _field(info, key, kind, "ddlbench")
+    if info["source"] not in ("measured", "simulated"):
+        raise ValueError(f"ddlbench.source is {_show(info['source'])}; it must be "
+                         '"measured" or "simulated"')
+    if not isinstance(events, list):
+        raise ValueError(f"traceEvents is a JSON {_kind(events)}, not a list of events; {FIX}")
+    for i, event in enumerate(events):
+        _event(i, event)
+    return info, events
+
+
+def _event(i: int, event: object) -> None:
+    if not isinstance(event, dict):
+        raise ValueError(f"traceEvents[{i}] is a JSON {_kind(event)}, not an event object")
+    if event.get("pid") != PID:
+        return  # the profiler's own events: not read
+    ph = event.get("ph")
+    if ph not in EVENT:
+        raise ValueError(f"traceEvents[{i}].ph is {_show(ph)}; the harness writes X, b, e or M")
+    for key, kind in EVENT[ph].items():
+        _field(event, key, kind, f"traceEvents[{i}]")
+    if ph == "X" and event["dur"] < 0:
+        raise ValueError(f"traceEvents[{i}].dur is {_show(event['dur'])}; it must be >= 0")
+    args = event.get("args", {})
+    if not isinstance(args, dict) or not isinstance(args.get("unit", 0), int) or (
+            ph == "M" and not isinstance(args.get("name"), str)):
+        raise ValueError(f"traceEvents[{i}].args is {_show(args)}; it must be an object, its "
+                         "unit a whole number, a thread_name's name a string")
+
+
+def _field(where: dict, key: str, kind: type, name: str) -> None:
+    """ValueError unless where[key] is of `kind` (float: any finite number; no booleans)."""
+    value = where.get(key)
+    ok = _number(value) if kind is float else (
+        isinstance(value, kind) and not isinstance(value, bool))
+    if not ok:
+        need = {float: "a number", int: "a whole number", str: "a string"}[kind]
+        what = f"missing ({need} is needed)" if key not in where else \
+            f"{_show(value)}; it must be {need}"
+        raise ValueError(f"{name}.{key} is {what}")
+
+
+def _number(value: object) -> bool:
+    """A finite JSON number (no boolean, no integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _kind(value: object) -> str:
+    return {list: "list", dict: "object", str: "string", type(None): "null"}.get(
+        type(value), "number" if _number(value) else type(value).__name__)
+
+
+def _show(value: object, width: int = 60) -> str:
+    """`value` as JSON writes it, cut to `width` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= width else text[:width - 3] + "..."

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from harness import config
-from harness.config import checks
+from harness.config import tables
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.measure import results
@@ -61,7 +61,7 @@ def measured(source: str) -> pd.DataFrame:
     """Measured throughputs: a CSV in the study's format, or a folder of measured results
     (their mean per cell)."""
     if not Path(source).is_dir():
-        return pd.read_csv(source)
+        return tables.read_csv(source)
     runs = results.load(Path(source))
     runs = runs[(runs.status == "ok") & (runs.source == "measured")]
     keys = ["model", "method", "network", "world_size"]
@@ -72,17 +72,14 @@ def measured(source: str) -> pd.DataFrame:
 def read_cells(where: str, source: str, cfgs: list[Config]) -> pd.DataFrame:
     """The measured cells of the sweep `cfgs` in `source`, read and checked before anything
     is simulated (`where` names the setting): ConfigError names the problem."""
-    ref = checks.read_table(where, source, read=measured,
+    ref = tables.read_table(where, source, read=measured,
                             columns=["model", "method", "network", "gpus", "throughput_mean"],
-                            numeric=["gpus", "throughput_mean"])
-    key = ["model", "method", "network", "gpus"]
-    twice = ref.duplicated(key, keep=False).to_numpy()
-    if twice.any():
-        first = ref[twice].iloc[0]
-        raise config.ConfigError(
-            f"{where} has {int((ref[key] == first[key]).all(axis=1).sum())} rows for model "
-            f"{first.model}, method {first.method}, network {first.network} at "
-            f"{int(first.gpus)} GPUs; keep one row per cell")
+                            numeric=["gpus", "throughput_mean"], whole=["gpus"])
+    twice = tables.duplicate(ref, ["model", "method", "network", "gpus"], where=where,
+                             first_row=1)
+    if twice:
+        raise config.ConfigError(twice)
+    ref = ref.astype({"gpus": int})
     cells = {(c.model.name, c.method.name, c.network.name, num_workers(c)) for c in cfgs}
     ref = ref[[cell in cells for cell in zip(ref.model, ref.method, ref.network, ref.gpus)]]
     if ref.empty:

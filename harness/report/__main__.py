@@ -1,7 +1,9 @@
-"""Paper-style report: the study's figures and tables, computed from result rows only.
+"""`python -m harness.report [results_dir=results] [out_dir=plots] [reference=<csv>]
+[timeline=<trace>]`: the study's figures and tables, computed from result rows only.
 
-Usage: ``python -m harness.report [results_dir=results] [out_dir=plots] [reference=<csv>]
-[timeline=<trace>]``
+    python -m harness.report                                   # results/ -> plots/
+    python -m harness.report reference=published.csv           # beside the study's numbers
+    python -m harness.report timeline=results/traces/<run>_r0_rank0.trace.json
 
 * Input: every parquet shard under ``results_dir`` (``results.load_report``; unreadable
   shards are listed, never dropped silently) and optionally a published CSV (REF_COLUMNS).
@@ -32,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.config import ConfigError, paths
+from harness.config import ConfigError, paths, usage
 from harness.measure import results
 from harness.report import page
 from harness.report.data import (
@@ -128,8 +130,7 @@ def parse_args(argv: Sequence[str]) -> dict[str, str | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
+    if usage.answer(argv, __doc__, groups=False):  # -h, --help: the help, and nothing else
         return 0
     try:
         report(**parse_args(argv))

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.config import tables
 from harness.config.frozen import leaves
 from harness.measure import results
 
@@ -27,8 +28,11 @@ REF_COLUMNS = ["model", "local_batch_size", "network", "method", "gpus"] + (
 )
 # What each numeric column of a reference must hold: (in words, the test).
 POSITIVE = ("a positive, finite number", lambda v: np.isfinite(v) & (v > 0))
+WHOLE = (f"a positive whole number up to {tables.MAX_GPUS}",
+         lambda v: (v > 0) & (v % 1 == 0) & (v <= tables.MAX_GPUS))
 VALID = {"throughput_std": ("a finite number >= 0", lambda v: np.isfinite(v) & (v >= 0)),
-         "gpus": ("a positive whole number", lambda v: (v > 0) & (v % 1 == 0))}
+         "gpus": WHOLE, "local_batch_size": WHOLE}
+OPTIONAL = ("local_batch_size", "throughput_std")  # may be empty in a reference
 # Published columns -> the names of `aggregate`'s output.
 _REF_RENAME = {
     "gpus": "world_size",
@@ -109,34 +113,50 @@ def aggregate(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def read_reference(path: str | Path) -> pd.DataFrame:
-    """Read a published-numbers CSV and validate it; ReportError names the problem."""
+    """Read a published-numbers CSV and validate it; ReportError names the problem, the file
+    and its line (the header is line 1)."""
     fix = f"pass reference=<csv with columns {','.join(REF_COLUMNS)}>"
     try:
-        ref = pd.read_csv(path)
+        ref = tables.read_csv(path)
     except FileNotFoundError:
         raise ReportError(f"reference file '{path}' not found; {fix}") from None
     except (OSError, ValueError) as exc:  # parser errors and decode errors are ValueErrors
         raise ReportError(f"reference file '{path}' is unreadable ({exc}); {fix}") from None
     missing = [c for c in REF_COLUMNS if c not in ref.columns]
     if missing or ref.empty:
-        what = f"lacks columns {missing}" if missing else "has no rows"
+        what = f"lacks columns {', '.join(missing)}" if missing else "has no rows"
         raise ReportError(f"reference file '{path}' {what}; {fix}")
-    for col in REF_COLUMNS[4:]:
-        values = pd.to_numeric(ref[col], errors="coerce")
-        bad = values.isna() & (ref[col].notna() | (col != "throughput_std"))
-        if bad.any():
-            raise ReportError(
-                f"reference file '{path}': column {col} has non-numeric value "
-                f"'{ref[col][bad].iloc[0]}' (line {bad.idxmax() + 2}); fix it"
-            )
-        ref[col] = values
-        must, holds = VALID.get(col, POSITIVE)
-        wrong = values.notna() & ~holds(values)
-        if wrong.any():
-            raise ReportError(
-                f"reference file '{path}': column {col} has value "
-                f"{float(values[wrong].iloc[0]):g} (line {wrong.idxmax() + 2}); it must be {must}")
+    for col in ("model", "method"):
+        empty = ref[col].isna()
+        if empty.any():
+            raise ReportError(f"reference file '{path}': column {col} has an empty value "
+                              f"(line {empty.idxmax() + 2}); fill it in or drop the row")
+    for col in REF_COLUMNS[1:2] + REF_COLUMNS[4:]:
+        ref[col] = _numbers(ref, col, path)
+    twice = tables.duplicate(ref, REF_COLUMNS[:5], where=f"reference file '{path}'",
+                             first_row=2, unit="line")
+    if twice:
+        raise ReportError(twice)
     return ref
+
+
+def _numbers(ref: pd.DataFrame, col: str, path: str | Path) -> pd.Series:
+    """Column `col` of a reference as numbers, each holding VALID's rule (empty only where
+    OPTIONAL); ReportError names the first that does not."""
+    values = pd.to_numeric(ref[col], errors="coerce")
+    bad = values.isna() & (ref[col].notna() | (col not in OPTIONAL))
+    if bad.any():
+        value = ref[col][bad].iloc[0]
+        what = "an empty value" if pd.isna(value) else f"non-numeric value {tables.shown(value)}"
+        raise ReportError(f"reference file '{path}': column {col} has {what} (line "
+                          f"{bad.idxmax() + 2}); fix it")
+    must, holds = VALID.get(col, POSITIVE)
+    wrong = values.notna() & ~holds(values)
+    if wrong.any():
+        raise ReportError(
+            f"reference file '{path}': column {col} has value "
+            f"{tables.shown(values[wrong].iloc[0])} (line {wrong.idxmax() + 2}); it must be {must}")
+    return values
 
 
 def reference_cells(ref: pd.DataFrame) -> pd.DataFrame:
@@ -153,12 +173,6 @@ def reference_cells(ref: pd.DataFrame) -> pd.DataFrame:
         intensity=np.nan,
         **{p: np.nan for p in PHASES},
     )
-    dup = cells.duplicated(CELL)
-    if dup.any():
-        raise ReportError(
-            f"reference has duplicate rows for {cells[CELL][dup].iloc[0].tolist()}"
-            "; keep one row per model, network, method and gpus"
-        )
     return _with_speedup(cells)
 
 

@@ -13,6 +13,7 @@ came before it (communication of the previous iteration still in flight) shows l
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -141,7 +142,8 @@ def draw_timeline(path: str | Path, results_dir: str | Path, out_dir: str | Path
     fig.legend(handles=keys, loc="lower center", ncol=len(keys), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 0.96))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    stem = Path(out_dir) / f"timeline_{a['model']}_{a['method']}_w{a['workers']}_{a['network']}"
+    name = f"timeline_{a['model']}_{a['method']}_w{a['workers']}_{a['network']}"
+    stem = Path(out_dir) / re.sub(r"[^\w.-]", "_", name)  # a name from the file: no '/'
     fig.savefig(f"{stem}.png", dpi=130)
     fig.savefig(f"{stem}.pdf")
     plt.close(fig)
