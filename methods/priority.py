@@ -32,7 +32,11 @@ piece's communication (`Handle.wait`) and runs the layer's update; the compute s
 waits for that update only before the layer's next forward (methods/layerwise.py).
 
 With several ranks, rank 0 decides the issue order (and the fused groups) and the
-others follow it (methods/order.py). Collectives need that to be correct at all.
+others follow it (methods/order.py). Collectives need that to be correct at all. On a
+transport that matches pieces by name (Horovod: `ordered = False`) there is nothing to
+announce, as in ByteScheduler's Horovod plug-in: rank 0 schedules by priority and
+credit, every other rank submits each piece as soon as it is ready, without credit, and
+Horovod's coordinator starts a piece once every rank has submitted it: rank 0's order.
 PS messages are matched by key, but a partition's pull completes only once every
 worker has pushed it, so workers whose credit windows held different partitions
 could wait for each other forever; one order makes the windows agree.
@@ -107,10 +111,14 @@ class Priority:
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
         self.role = "local"
+        ordered = getattr(transport, "ordered", True)
         if transport.size > 1:
-            self.role = "leader" if transport.rank == 0 else "follower"
+            self.role = ("leader" if transport.rank == 0 else
+                         "follower" if ordered else "submitter")
+        if self.role == "submitter":  # submits at once: rank 0's credit alone holds back
+            self.credit = math.inf
         self.order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
-        self.order = self.order(transport.group) if self.order else None
+        self.order = self.order(transport.group) if self.order and ordered else None
         self.cond = threading.Condition()
         self.heap: list[tuple[tuple[int, int], int]] = []  # ready here, by priority
         # GPU: (parameter, its gradient's event), hooked but not yet seen to have happened,
@@ -373,7 +381,7 @@ class Priority:
             self.stopping = True
             self.cond.notify_all()
         issuer, completer = self.threads or (None, None)
-        if self.role == "leader":
+        if self.order is not None and self.role == "leader":
             issuer.join(JOIN_S)
             if self.failure.error is None:
                 self.order.close()
@@ -389,6 +397,7 @@ class Priority:
         self.threads = []
 
     def describe(self) -> dict[str, Any]:
-        return {"scheduler": "priority", "credit_elements": self.credit, "order": self.role,
+        credit = None if self.credit == math.inf else self.credit  # a submitter's: none
+        return {"scheduler": "priority", "credit_elements": credit, "order": self.role,
                 "cycle_s": self.cycle_s, "fusion_bytes": self.fusion_bytes,
                 "units": [[u.start, u.end] for u in self.units]}

@@ -118,6 +118,8 @@ def test_a_run_on_horovod_records_its_version_and_settings(results_dir: Path, me
     assert plan["transport"] == "horovod" and plan["horovod_version"] == horovod.VERSION
     if method == "bytescheduler_a2a":
         assert plan["cycle_s"] == 0.0 and plan["fusion_bytes"] is None  # Horovod's job
+        # as the plug-in: rank 0 schedules, announcing nothing (the others submit at once)
+        assert plan["order"] == "leader" and plan["credit_elements"] == 16_000_000
     env = json.loads(row.comm_env_json)
     assert (env["HOROVOD_CYCLE_TIME"], env["HOROVOD_CACHE_CAPACITY"]) == (cycle_ms,
                                                                           str(settings[2]))
