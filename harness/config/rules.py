@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from harness.config import checks, paths
 from harness.config.frozen import Config, Frozen, assign, select, thaw
 from harness.config.ranks import num_workers
-from harness.config.schema import OPTIMIZERS, ConfigError, first_line
+from harness.config.schema import FAULT_KINDS, OPTIMIZERS, ConfigError, first_line
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -53,7 +53,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
     for name in ("model.optimizer.lr", "model.optimizer.momentum", "model.optimizer.weight_decay"):
         _positive(name, select(cfg, name), zero_ok=True)
-    _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
+    _one_of("run.fault.kind", cfg.run.fault.kind, FAULT_KINDS)
     _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
     _once(checked, _check_model, cfg.model)
     _once(checked, _check_method, cfg.method)
