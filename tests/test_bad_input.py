@@ -247,6 +247,12 @@ ROWS = [
     ("harness.methodbench", ["--methods", "bsp_ps", "--engines", "horovod"],
      ["--methods bsp_ps with --engines horovod selects no run", "--engines native"]),
     ("harness.methodbench", ["--workers", "1000"], ["1000 local processes", "--force"]),
+    # faults: verify injects none (it would pass silently), an unknown kind is named
+    ("harness.verify", ["run.fault.rank=1", "cluster.workers_per_node=2"],
+     ["run.fault.rank=1", "harness.verify does not inject faults", "python -m harness.run",
+      "drop run.fault"]),
+    ("harness.run", ["run.fault.rank=0", "run.fault.kind=freeze"],
+     ["run.fault.kind='freeze' is invalid", "raise, exit, hang, stop, abort"]),
 ]
 DEFAULTS = {  # where each command would write, inside the scratch folder
     "harness.run": ["results_dir={tmp}/results", *TINY],
