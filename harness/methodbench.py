@@ -53,6 +53,7 @@ import argparse
 import datetime as dt
 import difflib
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,9 @@ from harness import config
 from harness import run as harness_run
 from harness.config import checks, paths, usage
 from harness.config.schema import ENGINES
-from harness.launch.launcher import launch
+from harness.launch import failure
+from harness.launch.launcher import Terminated, launch, signals_raise
+from harness.launch.rank import new_run_id
 from harness.measure import progress, results
 from methods.layout import NODE_REDUCES
 
@@ -199,19 +202,33 @@ def _run_overrides(args: argparse.Namespace, out: Path) -> list[str]:
             *(["run.force=true"] if args.force else [])]
 
 
-def run_plain(model_name: str, *, out: Path, args: argparse.Namespace) -> int:
-    """The plain loop of `model_name` in a process of its own; its exit code."""
-    cfg = config.load([f"model={model_name}", *_run_overrides(args, out)])
-    code, _ = launch(cfg, entry="harness.measure.plain")
-    return code
+def overrides(model_name: str, name: str, workers: int, *, out: Path,
+              args: argparse.Namespace) -> list[str]:
+    """The overrides of one configuration: a run-list name at `workers` per node, or
+    "plain" (the plain loop: the model and the run's settings)."""
+    shape = [f"cluster.workers_per_node={workers}", f"cluster.nodes={args.nodes}"]
+    return [f"model={model_name}", *([] if name == "plain" else _method_overrides(name) + shape),
+            *_run_overrides(args, out)]
 
 
-def run_method(model_name: str, name: str, workers: int, *, out: Path,
-               args: argparse.Namespace) -> int:
-    """One harness.run of one configuration (a run-list name), one repeat; its exit code."""
-    return harness_run.main([f"model={model_name}", *_method_overrides(name),
-                             f"cluster.workers_per_node={workers}", f"cluster.nodes={args.nodes}",
-                             *_run_overrides(args, out)])
+def run_one(model_name: str, name: str, workers: int, *, out: Path,
+            args: argparse.Namespace) -> int:
+    """One configuration, one repeat, its exit code: a method as one harness.run, the plain
+    loop in a process of its own. Ctrl-C or SIGTERM stop it (130, 143) with its failed row:
+    its launcher records it, and so does this before the launcher starts or after it ends."""
+    argv = overrides(model_name, name, workers, out=out, args=args)
+    entry = "harness.measure.plain" if name == "plain" else "harness.measure.bench"
+    try:  # the plain loop in a process started as a 1-worker run's
+        return launch(config.load(argv), entry=entry)[0] if name == "plain" else \
+            harness_run.main(argv)
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by signals_raise
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping: record once, then exit
+        code = 143 if isinstance(exc, Terminated) else 130
+        cfg = config.load(argv)
+        failure.record(cfg, entry=entry, run_id=new_run_id(cfg), repeat=None,
+                       error=f"methodbench was stopped by {harness_run.STOPPED[code]} as "
+                             "this run started or ended")
+        return code
 
 
 def _twin(config_json: object) -> str:
@@ -366,8 +383,8 @@ def main(argv: list[str]) -> int:
                 print(f"== round {rnd + 1}/{args.rounds} {model_name} {what}  ({eta})",
                       flush=True)
                 done += 1
-                code = run_plain(model_name, out=folder, args=args) if name == "plain" \
-                    else run_method(model_name, name, workers, out=folder, args=args)
+                with signals_raise():  # a SIGTERM between runs stops this one too
+                    code = run_one(model_name, name, workers, out=folder, args=args)
                 if code in harness_run.STOPPED:  # Ctrl-C or SIGTERM: stop the benchmark
                     return code
                 failed += code != 0

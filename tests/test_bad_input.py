@@ -310,6 +310,12 @@ ROWS = [
      ["ddlbench.workers is missing (a whole number is needed)"]),
     ("harness.report.__main__", ["results_dir={tmp}/results", "out_dir={tmp}/o",
                                  "timeline={tmp}/deep.json"], ["nested too deeply"]),
+    # faults: verify injects none (it would pass silently), an unknown kind is named
+    ("harness.verify", ["run.fault.rank=1", "cluster.workers_per_node=2"],
+     ["run.fault.rank=1", "harness.verify does not inject faults", "python -m harness.run",
+      "drop run.fault"]),
+    ("harness.run", ["run.fault.rank=0", "run.fault.kind=freeze"],
+     ["run.fault.kind='freeze' is invalid", "raise, exit, hang, stop, abort"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"

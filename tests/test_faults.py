@@ -9,11 +9,13 @@ every fault with every kind (the `faults` marker).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +23,9 @@ import pytest
 
 from harness.config import checks
 from harness.config import engine as horovod
-from harness.launch import netem
+from harness.launch import failure, launcher, netem
 from harness.measure import results
-from tests.conftest import REPO, live_processes
+from tests.conftest import REPO, live_processes, run_module
 
 WARMUP, TIMED = 1, 10
 RUN = ["model=bert_tiny", f"run.warmup_iters={WARMUP}", f"run.timed_iters={TIMED}",
@@ -56,6 +58,12 @@ FAULTS = {  # each with the method `make test` runs it with
         "bytescheduler_a2a",
     Fault("worker-hang", _inject(1, "hang"), ["rank 1 hung", "repeat 1"],
           timeout_s=HANG_TIMEOUT_S): "wfbp_ps",
+    # SIGSTOP: every thread of the rank frozen (Gloo's, the method's), then SIGKILLed and reaped
+    Fault("worker-stop", _inject(1, "stop"), ["rank 1 hung", "repeat 1", "timed out"],
+          timeout_s=HANG_TIMEOUT_S): "bsp_a2a",
+    # SIGABRT without a word (a C++ crash): its silent peer, beating a moment ago, is not blamed
+    Fault("worker-abort", _inject(1, "abort"), ["rank 1 was killed by signal SIGABRT",
+                                                "repeat 1"]): "bytescheduler_a2a",
     # no peer to time out on it (a PS worker has its server): the launcher's watchdog
     Fault("lone-worker-hang", _inject(0, "hang"), ["no rank made progress", "iteration 2"],
           timeout_s=HANG_TIMEOUT_S, workers=1, methods=("bsp_a2a", "bytescheduler_a2a")):
@@ -75,6 +83,11 @@ FAULTS = {  # each with the method `make test` runs it with
           timeout_s=HANG_TIMEOUT_S, methods=(f"wfbp_a2a{HOROVOD}",)): f"wfbp_a2a{HOROVOD}",
     Fault("horovod-rank-sigkill", [], ["rank 1 was killed by signal SIGKILL"], action="kill1",
           methods=(f"bsp_a2a{HOROVOD}",)): f"bsp_a2a{HOROVOD}",
+    # ... nor Horovod's "has been shut down" when its background thread timed out on a rank
+    # frozen whole (SIGSTOP: Horovod's thread too)
+    Fault("horovod-worker-stop", _inject(1, "stop"), ["rank 1 hung", "repeat 1"],
+          timeout_s=HANG_TIMEOUT_S, methods=(f"bsp_a2a{HOROVOD}", f"wfbp_a2a{HOROVOD}")):
+        f"bsp_a2a{HOROVOD}",
 }
 NO_HOROVOD = pytest.mark.skipif(horovod.problem(device="cpu") is not None,
                                 reason=f"{horovod.problem(device='cpu')}")
@@ -186,15 +199,24 @@ def test_fault_ends_the_run_with_one_row_naming_the_cause(fault: Fault, method: 
         assert results.load(run.results).run_id.nunique() == 1
 
 
+@contextlib.contextmanager
+def _small_disk(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `folder` (made), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                   check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
 def test_full_disk_while_writing_a_shard_fails_the_repeat(tmp_path: Path) -> None:
     """A small tmpfs fills up after the first shard: the second repeat's shard cannot be
     written, the partial file is removed, the (smaller) failed row still fits."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
-    try:
+    with _small_disk(tmp_path / "disk", "1m") as disk:
         # wfbp_a2a: a measured row (~23 KB, with a unit per tensor in its plan) is bigger
         # than a failed one (~19 KB) by more than a tmpfs page
         run = Run(tmp_path, "cluster.workers_per_node=2", "method=wfbp_a2a", timeout_s=60,
@@ -209,8 +231,6 @@ def test_full_disk_while_writing_a_shard_fails_the_repeat(tmp_path: Path) -> Non
                                code)
         assert sorted(p.name for p in disk.iterdir() if p.name != "filler") == sorted(
             [shard.name, shard.name.replace("_r0", "_r1")]), "a partial file was left"
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.mark.network
@@ -226,3 +246,107 @@ def test_sigint_during_an_emulated_run_removes_the_network(tmp_path: Path) -> No
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert netem.PREFIX not in links and netem.PREFIX not in spaces, (links, spaces)
+
+
+# -- every fault ends with a row, or with one line -------------------------------------------
+
+FREEZE_AND_ABORT = """
+import os, sys, time
+from pathlib import Path
+from omegaconf import OmegaConf
+from harness.launch import failure
+from harness.measure.bench import inject_fault
+run_dir, rank, wait_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+failure.beat(run_dir, rank, 1, "iteration 4")
+if rank == 0:  # as NCCL's watchdog does once a collective waited past its timeout
+    while not (run_dir / "beat.rank1").exists():
+        time.sleep(0.05)
+    time.sleep(wait_s)
+fault = OmegaConf.create({"rank": rank, "at_iter": 4, "kind": "abort" if rank == 0 else "stop"})
+inject_fault(fault, rank=rank, iteration=4)
+"""
+
+
+def test_a_rank_aborted_while_another_is_frozen_blames_the_frozen_one(tmp_path: Path) -> None:
+    """Real processes under the launcher's watch: rank 1 stops itself (SIGSTOP), rank 0
+    dies of SIGABRT without a word run.timeout_s later, as NCCL's watchdog ends it; the
+    frozen rank is blamed, and it is killed and reaped."""
+    timeout_s = 2.0
+    procs = [subprocess.Popen([sys.executable, "-c", FREEZE_AND_ABORT, str(tmp_path), str(r),
+                               str(timeout_s + 1)], cwd=REPO, start_new_session=True)
+             for r in (0, 1)]
+    ending = launcher._watch(procs, tmp_path, idle_s=120)
+    assert ending.exits == {0: -signal.SIGABRT} and ending.alive == [1], ending
+    text, repeat = failure.cause(tmp_path, ending, workers=2, timeout_s=timeout_s)
+    assert text.startswith("rank 1 hung at repeat 1, iteration 4: rank 0 was killed by signal "
+                           "SIGABRT at repeat 1, iteration 4 waiting on it"), text
+    assert repeat == 1
+    assert procs[1].returncode == -signal.SIGTERM  # continued after SIGTERM: it ended at once
+    assert live_processes(str(tmp_path)) == []
+
+
+def _process_of(entry: str, marker: str, timeout: float = 300) -> None:
+    """Until a rank of `entry` runs with `marker` in its environment."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                env = (proc / "environ").read_bytes()
+            except OSError:
+                continue
+            if f"harness.launch.rank\0{entry}".encode() in cmd and marker.encode() in env:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no rank of {entry} started")
+
+
+@pytest.mark.parametrize("entry, method", [("harness.measure.plain", "plain"),
+                                           ("harness.measure.bench", "bsp_a2a")])
+def test_sigterm_to_methodbench_records_the_run_in_flight(tmp_path: Path, entry: str,
+                                                         method: str) -> None:
+    res, tmp = tmp_path / "results", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.methodbench", "--models", "bert_tiny", "--methods",
+         "bsp_a2a", "--workers", "1", "--engines", "native", "--rounds", "1",
+         "--warmup-iters", "1", "--timed-iters", "100000" if method == "plain" else "3",
+         "--results-dir", str(res)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp)})
+    _process_of(entry, str(tmp))  # the plain loop runs first
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    frame = results.load(res)
+    failed = frame[frame.status == "failed"]
+    assert failed.method.tolist() == [method], stderr
+    assert "SIGTERM" in failed.error.iloc[0], failed.error.iloc[0]
+    assert len(frame) == (1 if method == "plain" else 2)  # before it: the plain loop's row
+    assert live_processes(str(tmp)) == [] and list(tmp.glob("ddlbench-*")) == []
+
+
+def test_report_on_a_full_disk_ends_in_one_line_and_leaves_nothing_half_written(
+        tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    for i, (method, workers, tput) in enumerate([("ddp", 1, 10.0), ("ddp", 2, 18.0),
+                                                 ("bsp_a2a", 2, 17.0)]):
+        row = {"run_id": f"r{i}", "model": "toy", "method": method, "world_size": workers,
+               "repeat": 0, "throughput": tput, "status": "ok", "source": "measured",
+               "network": "loopback", "local_batch_size": 8}
+        results.write_shard(results.shard_path(res, f"r{i}", 0), [row])
+    with _small_disk(tmp_path / "disk", "64k") as disk:
+        kept = disk / "kept" / "notes.md"  # an earlier file in out_dir stays as it was
+        kept.parent.mkdir()
+        kept.write_text("mine\n")
+        for out in (disk / "new", kept.parent):
+            done = run_module("harness.report", f"results_dir={res}", f"out_dir={out}")
+            last = done.stderr.strip().splitlines()[-1]
+            assert done.returncode == 1, done.stderr
+            assert "Traceback" not in done.stderr
+            assert last.startswith(f"ddlbench: error: could not write the report to out_dir "
+                                   f"'{out}': No space left on device"), done.stderr
+        assert sorted(p.relative_to(disk) for p in disk.rglob("*")) == [
+            Path("kept"), Path("kept/notes.md")], "a half-written file was left"
+        assert kept.read_text() == "mine\n"

@@ -132,13 +132,14 @@ def test_a_rank_that_dies_under_srun_leaves_a_failed_row(slurm, tmp_path) -> Non
         horovod.problem(device="cpu") is not None, reason=f"{horovod.problem(device='cpu')}")),
 ])
 def test_a_rank_that_freezes_under_srun_is_the_one_blamed(slurm, tmp_path, engine: str) -> None:
-    # rank 1 hangs in the second repeat: rank 0 times out waiting for it (inside Horovod's
-    # background thread on engine=horovod), and the failed row must name rank 1, not rank 0
+    # rank 1 stops itself (SIGSTOP, every thread: Horovod's too) in the second repeat: rank 0
+    # times out waiting for it (Horovod shuts down on engine=horovod), srun kills the step,
+    # and the failed row must name rank 1, not rank 0
     res, jobs = tmp_path / "results", tmp_path / "jobs"
     out = _submit(slurm, "model=bert_tiny", "method=bsp_a2a", f"engine={engine}",
                   "cluster.workers_per_node=2",
                   *TINY, "run.repeats=2", "run.fault.rank=1", "run.fault.at_iter=4",
-                  "run.fault.kind=hang", "run.timeout_s=20", f"results_dir={res}",
+                  "run.fault.kind=stop", "run.timeout_s=20", f"results_dir={res}",
                   f"cluster.slurm.jobs_dir={jobs}", f"cluster.slurm.partition={slurm.partition}")
     assert out.returncode == 0, out.stderr
     _wait_for_queue(slurm, ARRAY_TIMEOUT_S)
@@ -148,6 +149,9 @@ def test_a_rank_that_freezes_under_srun_is_the_one_blamed(slurm, tmp_path, engin
     error = frame.error.iloc[1]
     assert error.startswith("rank 1 hung at repeat 1, iteration "), error  # not rank 0
     assert "its peers timed out waiting on it; rank 0: " in error, error
+    from tests.conftest import live_processes  # here: the rest of this file is the lead's
+
+    assert live_processes(str(res)) == [], "the stopped rank was left behind"
 
 
 @pytest.mark.slurm

@@ -18,6 +18,7 @@ from harness.config.frozen import Config, Frozen, assign, select, thaw
 from harness.config.ranks import num_workers, profile_processes
 from harness.config.schema import (
     CLOCKS,
+    FAULT_KINDS,
     OPTIMIZERS,
     RATES,
     ConfigError,
@@ -66,7 +67,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
                           "one of: false (ours), device (the study's torch.cuda.synchronize), "
                           "drain (every piece and update done, then synchronized)")
     _one_of("run.rate", cfg.run.rate, RATES)
-    _one_of("run.fault.kind", cfg.run.fault.kind, ("raise", "exit", "hang"))
+    _one_of("run.fault.kind", cfg.run.fault.kind, FAULT_KINDS)
     _positive("run.fault.at_iter", cfg.run.fault.at_iter, zero_ok=True)
     _once(checked, _check_model, cfg.model)
     _once(checked, _check_method, cfg.method)

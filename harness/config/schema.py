@@ -30,6 +30,10 @@ def step_ending(run: Any) -> str:
     value = str(run.sync_each_step).lower()
     return "drain" if value == "true" else value
 ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives
+# run.fault.kind: raise an error, exit (os._exit(3)), hang (the training thread sleeps; the
+# process's other threads run on), stop (SIGSTOP: every thread of the process frozen, as a
+# stalled node or a debugger leaves it), abort (SIGABRT, as a C++ crash or NCCL's watchdog)
+FAULT_KINDS = ("raise", "exit", "hang", "stop", "abort")
 
 
 def first_line(exc: BaseException, default: str = "") -> str:
@@ -122,7 +126,7 @@ class FaultConf:
 
     rank: int = -1        # -1: no fault
     at_iter: int = 0      # counted over warm-up and timed iterations of all repeats
-    kind: str = "raise"   # raise | exit (the process dies) | hang (sleeps forever)
+    kind: str = "raise"   # one of FAULT_KINDS
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import re
 import signal
 import sys
@@ -37,17 +38,27 @@ from harness.config.ranks import num_workers
 from harness.launch import ports
 
 # Errors a rank gets because another one failed (Gloo, NCCL, the TCP store, sockets):
-# a peer that did not answer in time, or a peer that went away.
-TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout|NCCL communicator was aborted")
+# a peer that did not answer in time, or a peer that went away. Horovod shuts itself down
+# when a collective of its background thread fails, and every later call then raises
+# HorovodInternalError "Horovod has been shut down": with a peer that went away the
+# launcher sees that peer's end first, so what remains is a peer that did not answer
+# within HOROVOD_GLOO_TIMEOUT_SECONDS (run.timeout_s), a timeout.
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout|NCCL communicator was aborted"
+                       r"|Horovod has been shut down")
 CLOSED = re.compile(r"Connection (reset|closed|refused)|Broken pipe|ECONNRESET|EPIPE")
+# srun's word on a task killed by a signal is the signal's description (strsignal)
+SIGNAL_WORDS = {signal.strsignal(s): s for s in signal.Signals if signal.strsignal(s)}
+NCCL_ABORT = ("NCCL's watchdog aborts a rank whose collective waited past its timeout, "
+              "set longer than run.timeout_s")
 
 
 def symptom(exc: BaseException) -> str:
     """'timeout' or 'closed' when `exc`, or an error it was raised from, is a peer's
-    failure seen from here; '' when it is this rank's own."""
+    failure seen from here (Horovod's shut down included); '' when it is this rank's own."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, TimeoutError) or TIMED_OUT.search(str(seen)):
+        if (isinstance(seen, TimeoutError) or TIMED_OUT.search(str(seen))
+                or type(seen).__name__ == "HorovodInternalError"):
             return "timeout"
         if isinstance(seen, dist.DistError) or CLOSED.search(str(seen)):
             return "closed"
@@ -77,6 +88,7 @@ class Ending:
     alive: list[int] = field(default_factory=list)        # ranks the launcher had to stop
     interrupt: str = ""  # why the launcher was stopped (SIGINT, SIGTERM), where the run was
     stall: str = ""      # the watchdog's finding, when no rank made progress
+    silence: dict[int, float] = field(default_factory=dict)  # alive ranks: s since their beat
 
 
 def _beats(run_dir: Path) -> dict[int, tuple[int, str]]:
@@ -114,6 +126,18 @@ def last_progress(run_dir: Path, *, since: float) -> float:
     return max(times)
 
 
+def silence(run_dir: Path, ranks: list[int], *, now: float | None = None) -> dict[int, float]:
+    """Seconds since each of `ranks` last beat (0 for one that never did), at `now`."""
+    now = time.time() if now is None else now
+    out = {}
+    for rank in ranks:
+        try:
+            out[rank] = max(0.0, now - (run_dir / f"beat.rank{rank}").stat().st_mtime)
+        except OSError:
+            out[rank] = 0.0
+    return out
+
+
 def symptoms_only(run_dir: Path, ranks: list[int]) -> bool:
     """Whether every one of `ranks` failed with a peer's symptom (so the cause is elsewhere)."""
     errors = _errors(run_dir)
@@ -147,7 +171,8 @@ def _how(code: int) -> str:
     return f"exited with code {code}"
 
 
-def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | None]:
+def cause(run_dir: Path, ending: Ending, *, workers: int, timeout_s: float = math.inf
+          ) -> tuple[str, int | None]:
     """The first cause of a failed local run, and the repeat it hit (None: unknown).
 
     In order: the launcher's own reason (a signal to it); a port collision (the rendezvous
@@ -156,6 +181,9 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
     all; a rank its peers timed out on or lost (a gloo pair that times out on one side
     closes on the other): one still running without an error, else the one their
     timeouts name, else one that only saw its peers go away; the earliest symptom.
+    A rank killed by SIGABRT without a word while another rank, still running, had not
+    beaten for `timeout_s` (run.timeout_s) is a symptom too: NCCL's watchdog aborts a
+    rank whose collective waited that long on a frozen peer (the silent one is blamed).
     """
     errors, beats = _errors(run_dir), _beats(run_dir)
     own = sorted((e for e in errors.values() if not e["symptom"]), key=lambda e: e["time"])
@@ -163,7 +191,10 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
     symptoms = sorted((e for e in errors.values() if e["symptom"]), key=lambda e: e["time"])
     timeouts = [e for e in symptoms if e["symptom"] == "timeout"]
     silent = [r for r in ending.alive if r not in errors]  # still running, saying nothing
-    hung = silent + [r for r in _named(timeouts) if r in errors] + [  # named; saw peers go
+    waited = [r for r in silent if ending.silence.get(r, 0.0) >= timeout_s]
+    aborted = [r for r in hard if ending.exits[r] == -signal.SIGABRT] if waited else []
+    hard = [r for r in hard if r not in aborted]
+    hung = waited + silent + [r for r in _named(timeouts) if r in errors] + [  # named; saw go
         e["rank"] for e in symptoms if e["symptom"] == "closed"]
     taken = [e for e in errors.values() if ports.IN_USE.search(e["error"])]
     if ending.interrupt:
@@ -180,11 +211,10 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
         text, rank = own[0]["error"], own[0]["rank"]
     elif ending.stall:
         text, rank = ending.stall, None
-    elif hung and (timeouts or silent):  # a silent rank's peers may see it time out or go
+    elif hung and (timeouts or silent) and (symptoms or aborted):
         rank = hung[0]
-        why = "timed out waiting on" if timeouts else "lost their connection to"
-        text = (f"rank {rank} hung{_at(beats.get(rank))}: its peers {why} it; "
-                f"{(timeouts or symptoms)[0]['error']}")
+        saw = _peers_saw(timeouts, symptoms, aborted, beats)
+        text = f"rank {rank} hung{_at(beats.get(rank))}: {saw}"
     elif symptoms:
         text, rank = symptoms[0]["error"], symptoms[0]["rank"]
     else:
@@ -194,6 +224,16 @@ def cause(run_dir: Path, ending: Ending, *, workers: int) -> tuple[str, int | No
         return text, beats[rank][0]
     worker_repeats = [b[0] for r, b in beats.items() if r < workers]
     return text, max(worker_repeats) if worker_repeats else None
+
+
+def _peers_saw(timeouts: list[dict], symptoms: list[dict], aborted: list[int],
+               beats: dict[int, tuple[int, str]]) -> str:
+    """How a silent rank's peers saw it: time out, go away, or abort waiting on it."""
+    if symptoms:
+        why = "timed out waiting on" if timeouts else "lost their connection to"
+        return f"its peers {why} it; {(timeouts or symptoms)[0]['error']}"
+    return (f"rank {aborted[0]} {_how(-signal.SIGABRT)}{_at(beats.get(aborted[0]))} waiting "
+            f"on it ({NCCL_ABORT})")
 
 
 def _named(timeouts: list[dict]) -> list[int]:
@@ -230,16 +270,34 @@ def error_line(log: Path) -> str:
     return (tasks[:1] or flagged[-1:] or lines[-1:] or ["(empty log)"])[0][:500]
 
 
-def srun_cause(run_dir: Path, said: str, *, code: int, workers: int) -> tuple[str, int | None]:
+def srun_ends(said: str) -> dict[int, int]:
+    """The end srun reported for a task in `said` (`error_line`), as a local exit code:
+    "task 1: Exited with exit code 3" is {1: 3}, "task 0: Aborted (core dumped)" {0: -6}
+    (srun names a signal by its description: Killed, Segmentation fault). "Terminated" is
+    none: Slurm ends a step's tasks so (a cancel, the time limit, another task's failure)."""
+    task = re.search(r"srun: error: .*task (\d+): (.+)", said)
+    if task is None:
+        return {}
+    rank, end = int(task.group(1)), task.group(2).removesuffix(" (core dumped)").strip()
+    code = re.fullmatch(r"Exited with exit code (\d+)", end)
+    if code:
+        return {rank: int(code.group(1))}
+    sig = SIGNAL_WORDS.get(end)
+    return {rank: -sig} if sig is not None and sig != signal.SIGTERM else {}
+
+
+def srun_cause(run_dir: Path, said: str, *, code: int, workers: int,
+               timeout_s: float = math.inf) -> tuple[str, int | None]:
     """The first cause of a failed srun step, from its run folder and what srun said
-    (`error_line`): its first report of a task that exited ("task 1: Exited with exit code
-    3") is that rank's exit; a rank that beat but neither ended nor left an error was
-    still running (hung)."""
-    first = re.search(r"srun: error: .*task (\d+): Exited with exit code (\d+)", said)
-    exits = {int(first.group(1)): int(first.group(2))} if first else {}
+    (`error_line`): its first report of a task that ended (`srun_ends`) is that rank's
+    end; a rank that beat but neither ended nor left an error was still running (hung),
+    silent since its last beat."""
+    exits = srun_ends(said)
     errors = _errors(run_dir)
     alive = [r for r in sorted(_beats(run_dir)) if r not in errors and r not in exits]
-    return cause(run_dir, Ending(code=code, exits=exits, alive=alive), workers=workers)
+    return cause(run_dir, Ending(code=code, exits=exits, alive=alive,
+                                 silence=silence(run_dir, alive)),
+                 workers=workers, timeout_s=timeout_s)
 
 
 def main(argv: list[str]) -> int:
@@ -261,7 +319,7 @@ def main(argv: list[str]) -> int:
     error, repeat = f"srun exited with code {args.exit_code}: {said}", None
     if args.run_dir is not None and args.run_dir.is_dir():
         named, repeat = srun_cause(args.run_dir, said, code=args.exit_code,
-                                   workers=num_workers(cfg))
+                                   workers=num_workers(cfg), timeout_s=cfg.run.timeout_s)
         error = f"{named} ({error})"
     print(f"ddlbench: run {args.run_id} failed: {error}", file=sys.stderr)
     record(cfg, entry=args.entry, run_id=args.run_id, repeat=repeat, error=error)

@@ -113,7 +113,7 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
     cleaned = leftovers.say_cleaned(leftovers.clean())
     if cleaned:
         print(f"ddlbench: {cleaned}", file=sys.stderr)
-    with _signals_raise(), tempfile.TemporaryDirectory(
+    with signals_raise(), tempfile.TemporaryDirectory(
             prefix=leftovers.folder_prefix(run_id)) as tmp, \
             _network(cfg, hosts=cfg.cluster.nodes + num_servers(cfg), run_dir=Path(tmp)) as net:
         run_dir = Path(tmp)
@@ -130,13 +130,15 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
                     extra_env=net.environment(host) if net else {},
                 ))
             ending = _watch(procs, run_dir, idle_s=cfg.run.timeout_s + STALL_GRACE_S)
-        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by _signals_raise
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by signals_raise
             code = 143 if isinstance(exc, Terminated) else 130
             reason = ("the launcher got SIGTERM" if code == 143 else
                       "the launcher was interrupted (SIGINT, Ctrl-C)")
-            ending = _stopped(procs, {}, code=code, interrupt=reason + failure.where(run_dir, 0))
+            ending = _stopped(procs, {}, run_dir, code=code,
+                              interrupt=reason + failure.where(run_dir, 0))
         if ending.code != 0:
-            error, repeat = failure.cause(run_dir, ending, workers=workers)
+            error, repeat = failure.cause(run_dir, ending, workers=workers,
+                                          timeout_s=cfg.run.timeout_s)
             print(f"ddlbench: run {run_id} failed: {error}", file=sys.stderr)
             failure.record(cfg, entry=entry, run_id=run_id, repeat=repeat, error=error)
         return ending.code, run_id
@@ -147,9 +149,10 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def signals_raise() -> Iterator[None]:
     """SIGTERM raises Terminated meanwhile, so a killed launcher still stops its
-    ranks, records the failure and removes its temporary folder and namespaces."""
+    ranks, records the failure and removes its temporary folder and namespaces (and
+    harness.methodbench, between its runs, records the one about to start)."""
     def terminate(signum: int, frame: object) -> None:
         raise Terminated
 
@@ -194,27 +197,35 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, *, idle_s: float) -> fa
                     SETTLE_S if failure.symptoms_only(run_dir, list(failed)) else 0)
             if time.monotonic() >= settle_until or len(exits) == len(procs):
                 code = next(iter(failed.values()))
-                return _stopped(procs, exits, code=code if code > 0 else 1)
+                return _stopped(procs, exits, run_dir, code=code if code > 0 else 1)
         elif time.time() - failure.last_progress(run_dir, since=started) > idle_s:
-            return _stopped(procs, exits, code=1, stall=failure.stalled(
+            return _stopped(procs, exits, run_dir, code=1, stall=failure.stalled(
                 run_dir, idle_s=idle_s, ranks=len(procs)))
         time.sleep(POLL_S)
 
 
-def _stopped(procs: list[subprocess.Popen], exits: dict[int, int], *, code: int,
+def _stopped(procs: list[subprocess.Popen], exits: dict[int, int], run_dir: Path, *, code: int,
              interrupt: str = "", stall: str = "") -> failure.Ending:
+    """Stop every rank; how the run ended, with how long each rank still running had
+    been silent (failure.cause reads it)."""
     alive = [r for r, p in enumerate(procs) if r not in exits and p.poll() is None]
+    quiet = failure.silence(run_dir, alive)
     _stop(procs)
-    return failure.Ending(code, dict(exits), alive, interrupt=interrupt, stall=stall)
+    return failure.Ending(code, dict(exits), alive, interrupt=interrupt, stall=stall,
+                          silence=quiet)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live process group, SIGKILL what is left after a grace period."""
+    """SIGTERM every live process group, SIGKILL what is left after a grace period, and
+    reap them all. A stopped (SIGSTOP) rank gets SIGCONT after the SIGTERM, so that it
+    ends at once, as the shell's kill does; SIGKILL ends it anyway."""
     for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
         for p in procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
+                    if sig == signal.SIGTERM:
+                        os.killpg(p.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + wait_s

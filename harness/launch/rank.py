@@ -74,6 +74,30 @@ def group_backend(backend: str, *, worker: bool) -> str:
     return "cpu:gloo,cuda:nccl" if worker else "cpu:gloo"
 
 
+NCCL_GRACE_S = 60.0  # NCCL's timeout beyond twice run.timeout_s (the launcher's watchdog: +30 s)
+
+
+def nccl_timeout(timeout_s: float) -> dt.timedelta:
+    """NCCL's timeout in a run of `timeout_s` (run.timeout_s). NCCL's watchdog aborts the
+    whole process (SIGABRT, without a word) once a collective has waited that long, which
+    would end the healthy ranks waiting on a frozen one; so it outlasts every wait of the
+    harness's own (Gloo's, the methods', Horovod's: run.timeout_s, each begun after the
+    collective it waits on; the launcher's watchdog), and those end the run first, naming
+    the frozen rank (harness.launch.failure)."""
+    return dt.timedelta(seconds=2 * timeout_s + NCCL_GRACE_S)
+
+
+def lengthen_nccl(groups: list, timeout_s: float) -> None:
+    """Give the NCCL backend of each of `groups` (None: the default group) `nccl_timeout`;
+    their Gloo keeps the `timeout_s` they were made with. Groups without NCCL (CPU runs,
+    parameter servers) are left as they are."""
+    for group in groups:
+        pg = dist.group.WORLD if group is None else group
+        # "cpu:gloo,cuda:nccl" on GPU workers; CPU twin: "cpu:gloo,cuda:gloo", left alone
+        if "nccl" in dist.get_backend_config(pg):
+            pg._get_backend(torch.device("cuda")).set_timeout(nccl_timeout(timeout_s))
+
+
 def pick_device(device_type: str, *, worker: bool, index: int, visible: int
                 ) -> torch.device:
     """A rank's device when the local launcher started it: servers and CPU runs the CPU;
@@ -229,8 +253,10 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
                       num_servers=world_size - workers, run_id=run_id, run_dir=run_dir,
                       device=device, backend=backend)
         if ctx.num_servers:
-            ctx.worker_group = dist.new_group(list(range(workers)))
+            ctx.worker_group = dist.new_group(list(range(workers)), timeout=timeout)
         ctx.node_groups = node_groups(workers, cfg.cluster.workers_per_node, timeout=timeout)
+        if worker:
+            lengthen_nccl([None, ctx.worker_group, *(ctx.node_groups or ())], cfg.run.timeout_s)
         session = None
         if cfg.engine == "horovod" and ctx.is_worker:  # engine=horovod has no servers
             ctx.beat("starting Horovod")

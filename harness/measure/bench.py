@@ -8,10 +8,12 @@ Throughput is global samples over the slowest rank's window.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
 import resource
+import signal
 import socket
 import sys
 import time
@@ -102,13 +104,23 @@ def train_iteration(model: nn.Module, method: methods.Method, optimizer: torch.o
 
 
 def inject_fault(fault: DictConfig, *, rank: int, iteration: int) -> None:
-    """Fail on purpose where run.fault says so (tests of the failure paths)."""
+    """Fail on purpose where run.fault says so (tests of the failure paths; the kinds are
+    schema.FAULT_KINDS). `stop` freezes every thread of the process (Horovod's background
+    thread, Gloo's and NCCL's included) until someone sends SIGCONT or SIGKILL; continued,
+    the rank carries on. `abort` dies of SIGABRT without a word, leaving no core file."""
     if fault.rank != rank or fault.at_iter != iteration:
         return
     if fault.kind == "exit":
         os._exit(3)
     if fault.kind == "hang":
         time.sleep(10**6)
+    if fault.kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if fault.kind == "abort":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file, nor a piped one:
+        ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0
+        os.abort()
     raise RuntimeError(f"injected fault at iteration {iteration}")
 
 

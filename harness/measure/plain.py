@@ -4,9 +4,7 @@ method 'plain'."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import uuid
 
 from omegaconf import DictConfig
 
@@ -40,14 +38,28 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     record_plain(cfg, window=window.seconds, iter_times=window.iter_times, ctx=ctx)
 
 
+def _identity(cfg: DictConfig, run_id: str) -> dict:
+    """A plain-loop row's identity: method 'plain', one worker, no servers."""
+    return {**identity(cfg, run_id=run_id, repeat=0), "method": "plain",
+            "servers": 0, "world_size": 1, "workers_per_node": 1}
+
+
 def record_plain(cfg: DictConfig, *, window: float, iter_times: list[float],
                  ctx: Context) -> None:
-    """Keep a plain-loop measurement as a result row (method 'plain', world size 1)."""
-    run_id = f"{dt.datetime.now():%Y%m%d-%H%M%S}-{cfg.model.name}-plain-{uuid.uuid4().hex[:6]}"
-    row = {**identity(cfg, run_id=run_id, repeat=0), "method": "plain",
-           "servers": 0, "world_size": 1, "workers_per_node": 1,
+    """Keep a plain-loop measurement as a result row (method 'plain', world size 1) under
+    the launcher's run id (so a failure after it adds no row: `record_failure`)."""
+    run_id = ctx.run_id
+    row = {**_identity(cfg, run_id),
            "throughput": cfg.model.local_batch_size * cfg.run.timed_iters / window,
            "timed_s": window, "iter_times_s": iter_times, "rank_iter_times_s": [iter_times],
            "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
            "plan_json": json.dumps({"method": "plain"})}
+    results.write_shard(results.shard_path(cfg.results_dir, run_id, 0), [row])
+
+
+def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: str) -> None:
+    """The plain loop's failed row, as a method run's (harness.launch.failure.record calls
+    it when the loop's process fails or the launcher is stopped; `repeat` is always 0). A
+    loop that wrote its row keeps it alone: a shard is never overwritten."""
+    row = {**_identity(cfg, run_id), "status": "failed", "error": error}
     results.write_shard(results.shard_path(cfg.results_dir, run_id, 0), [row])

@@ -25,13 +25,18 @@
   summary.md's "Missing" section.
 * User errors (no data, bad reference, unknown argument, an out_dir that cannot be written):
   one line on stderr, exit code 2, nothing written.
+* A disk that fills up (or fails) while the report is written: one line naming out_dir,
+  exit code 1, and every file this call had created or changed there removed (out_dir too,
+  if the call made it): no half-written figure or table is left.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from harness.config import ConfigError, paths, usage
@@ -79,38 +84,73 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
     start = time.perf_counter()
     rows, bad, n = load_rows(results_dir)  # as written: the page shows their provenance
     frame = normalize(rows)
-    drawn = {}
-    if timeline:  # after every input check: a user error writes nothing
-        png = draw_timeline(timeline, results_dir, out_dir)
-        _log(f"wrote {png} and .pdf")
-        drawn = {"Timeline": [png]}
-    if frame.empty and published is None:
-        if drawn:  # the timeline alone
-            return
-        raise _no_data(results_dir, bad, n)
-    _log(
-        f"loaded {n} shards ({len(frame)} rows, {len(bad)} unreadable) from '{results_dir}' "
-        f"in {time.perf_counter() - start:.1f}s"
-    )
-    results.warn(bad)
-    if frame.empty:  # the reference alone: the study's own figures and numbers
-        data, attempted, published = published, published, None
-    else:
-        data, attempted = aggregate(frame), frame
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    missing = missing_cells(frame, data)
-    figures = write_figures(data, out, attempted=attempted, reference=published,
-                            missing=missing)
-    intro = (
-        f"results_dir `{results_dir}`: {n} shards, {len(frame)} rows, "
-        f"{len(bad)} unreadable; reference `{reference or 'none'}`."
-    )
-    gaps = gap_tables(missing, failed_runs(frame), bad, data)
-    write_tables(data, out, header=f"# ddlbench report\n\n{intro}\n", published=published,
-                 missing=missing_section(gaps))
-    page.write_page(out, page.render(intro=intro, cells=data, figures={**figures, **drawn},
-                                     published=published, gaps=gaps, rows=rows))
+    with all_or_nothing(Path(out_dir)):  # a full disk leaves nothing half-written
+        drawn = {}
+        if timeline:  # after every input check: a user error writes nothing
+            png = draw_timeline(timeline, results_dir, out_dir)
+            _log(f"wrote {png} and .pdf")
+            drawn = {"Timeline": [png]}
+        if frame.empty and published is None:
+            if drawn:  # the timeline alone
+                return
+            raise _no_data(results_dir, bad, n)
+        _log(
+            f"loaded {n} shards ({len(frame)} rows, {len(bad)} unreadable) from '{results_dir}' "
+            f"in {time.perf_counter() - start:.1f}s"
+        )
+        results.warn(bad)
+        if frame.empty:  # the reference alone: the study's own figures and numbers
+            data, attempted, published = published, published, None
+        else:
+            data, attempted = aggregate(frame), frame
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        missing = missing_cells(frame, data)
+        figures = write_figures(data, out, attempted=attempted, reference=published,
+                                missing=missing)
+        intro = (
+            f"results_dir `{results_dir}`: {n} shards, {len(frame)} rows, "
+            f"{len(bad)} unreadable; reference `{reference or 'none'}`."
+        )
+        gaps = gap_tables(missing, failed_runs(frame), bad, data)
+        write_tables(data, out, header=f"# ddlbench report\n\n{intro}\n", published=published,
+                     missing=missing_section(gaps))
+        page.write_page(out, page.render(intro=intro, cells=data, figures={**figures, **drawn},
+                                         published=published, gaps=gaps, rows=rows))
+
+
+class WriteFailed(Exception):
+    """The report could not be written (a full disk): `main` prints it, exit code 1."""
+
+
+def _stamps(folder: Path) -> dict[Path, tuple[int, int]]:
+    """Each file under `folder`: (size, mtime in ns)."""
+    out = {}
+    for path in folder.rglob("*") if folder.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                out[path] = (path.stat().st_size, path.stat().st_mtime_ns)
+    return out
+
+
+@contextlib.contextmanager
+def all_or_nothing(out: Path) -> Iterator[None]:
+    """What the block writes under `out` stays only if all of it was written: on an
+    OSError (ENOSPC from the image library, a table or the page) every file it created or
+    changed is removed, and `out` itself if the block made it; then WriteFailed, naming
+    `out`. Files it left alone (an earlier report's) stay."""
+    made, before = not out.exists(), _stamps(out)
+    try:
+        yield
+    except OSError as exc:
+        for path, stamp in _stamps(out).items():
+            if before.get(path) != stamp:
+                path.unlink(missing_ok=True)
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise WriteFailed(
+            f"could not write the report to out_dir '{out}': {exc.strerror or exc}; removed "
+            "what it had written there; free space there or choose another out_dir") from exc
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, str | None]:
@@ -137,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ReportError, ConfigError) as exc:
         print(f"ddlbench: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except WriteFailed as exc:
+        print(f"ddlbench: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
