@@ -32,11 +32,9 @@ piece's communication (`Handle.wait`) and runs the layer's update; the compute s
 waits for that update only before the layer's next forward (methods/layerwise.py).
 
 With several ranks, rank 0 decides the issue order (and the fused groups) and the
-others follow it (methods/order.py). Collectives need that to be correct at all. On a
-transport that matches pieces by name (Horovod: `ordered = False`) there is nothing to
-announce, as in ByteScheduler's Horovod plug-in: rank 0 schedules by priority and
-credit, every other rank submits each piece as soon as it is ready, without credit, and
-Horovod's coordinator starts a piece once every rank has submitted it: rank 0's order.
+others follow it (methods/order.py). Collectives need that to be correct at all. Horovod
+matches pieces by name (`ordered = False`): as its ByteScheduler plug-in, rank 0 schedules,
+the others submit each piece once ready, and Horovod's coordinator keeps rank 0's order.
 PS messages are matched by key, but a partition's pull completes only once every
 worker has pushed it, so workers whose credit windows held different partitions
 could wait for each other forever; one order makes the windows agree.
@@ -110,11 +108,9 @@ class Priority:
                                    check=self.failure.check, meter=meter)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
-        self.role = "local"
         ordered = getattr(transport, "ordered", True)
-        if transport.size > 1:
-            self.role = ("leader" if transport.rank == 0 else
-                         "follower" if ordered else "submitter")
+        self.role = ("local" if transport.size == 1 else "leader" if transport.rank == 0 else
+                     "follower" if ordered else "submitter")
         if self.role == "submitter":  # submits at once: rank 0's credit alone holds back
             self.credit = math.inf
         self.order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
