@@ -2,10 +2,11 @@
 real profile's facts or this machine's microbenchmark, the all-reduce algorithms
 (ring, tree, hierarchical; on Horovod each may start on its negotiation cycle), and the
 queued resources iterations use: the collective streams and the parameter servers, each
-behind its own link."""
+behind its own link and summing on its engine threads."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,8 +17,17 @@ from harness.config.frozen import Config
 from harness.measure import results
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
 from methods.costmodel import Cost, least_squares
+from methods.server_queue import ThreadBinding
 
 ELEMENT_SIZE = 4  # fp32 gradients
+# The study's parameter servers, machines of their own (hosts gpu9 and up), assumed of the
+# workers' kind: 2x Xeon Gold 6230, 20 cores and 6 channels of DDR4-2933 (140.8 GB/s, its
+# spec sheet) per socket. BytePS sums on each engine thread with its CpuReducer's 4 OpenMP
+# threads (BYTEPS_OMP_THREAD_PER_GPU's default, common/cpu_reducer.cc), each core taken
+# to stream its share of the machine's memory bandwidth.
+STUDY_SERVER_MEMORY_BYTES_PER_S = 2 * 140.8e9
+SERVER_CORES = 40
+REDUCER_THREADS = 4
 
 
 # -- the network -------------------------------------------------------------------------
@@ -29,6 +39,7 @@ class Network:
     inter: Cost           # between nodes, and to every parameter server
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
+    server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
 
 
 def network(cfg: Config) -> Network:
@@ -40,7 +51,8 @@ def network(cfg: Config) -> Network:
         ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
         beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
         return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
-                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)))
+                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
+                       STUDY_SERVER_MEMORY_BYTES_PER_S)
     link = _microbench_link(cfg)
     return Network(net.name, link, link, "ring", False)
 
@@ -138,7 +150,7 @@ class Collectives:
 
 
 class ParameterServers:
-    """Push every partition to its server, which answers once all pushes are in.
+    """Push every partition to its server, which sums the pushes and answers once all are in.
 
     Links are one-way queues: a node's uplink and downlink (a worker's own when nodes
     do not reduce locally), each server's downlink and uplink, and the node's bus
@@ -148,6 +160,14 @@ class ParameterServers:
     rate the intra-node all-reduce fact gives, so each gets half of it. A link is a
     queue: what it carries starts once the link is free, and keeps it busy.
 
+    Each server sums on `engine_threads` lanes (BytePS's engine threads, methods/server.py),
+    a partition on the lane its key is bound to by BytePS's rule (the fewest bytes bound so
+    far, partitions bound in plan order, methods/server_queue.py): per round, one add per
+    push but the first and one copy into the answer, each streaming 3 and 2 bytes of memory
+    per byte at the lane's share of the server's memory (`Network.server_memory`; 0: not
+    timed). The adds start once a second push is in, the last add and the copy follow the
+    last push; the answer leaves once they are done.
+
     With `node_reduce="root"` (methods/ps_node.py) the whole unit is reduced to the root,
     which alone copies it to the host, before its first push, and copies it back and
     broadcasts it after its last pull: no partition of a unit overlaps the bus. While
@@ -156,7 +176,7 @@ class ParameterServers:
 
     def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
                  per_node: int, servers: int, local_reduce: bool,
-                 node_reduce: str = "scatter") -> None:
+                 node_reduce: str = "scatter", engine_threads: int = 1) -> None:
         """`parts`: per unit, (bytes, server index) of each partition; `local_reduce`: a
         node sums its workers' gradients and pushes once (BytePS)."""
         self.net, self.servers = net, servers
@@ -169,19 +189,27 @@ class ParameterServers:
             2 * ((sharing - 1) + net.ps_host_copy) / sharing
         senders = nodes if local_reduce else nodes * per_node
         node_share = 1 if local_reduce else per_node
-        # links by index: node up, node down, bus up, bus down, then each server's in, out
+        # links by index: node up, node down, bus up, bus down, each server's in, out, then
+        # each server's engine lanes
+        lanes = 4 + 2 * servers
         self.names = ["node_up", "node_down", "bus_up", "bus_down"] + [
-            f"server{s}_{way}" for s in range(servers) for way in ("in", "out")]
+            f"server{s}_{way}" for s in range(servers) for way in ("in", "out")] + [
+            f"server{s}_engine{t}" for s in range(servers) for t in range(engine_threads)]
         self.free = [0.0] * len(self.names)
         self.busy_s = [0.0] * len(self.names)
         self.log: list | None = None
         inter, intra = net.inter, net.intra
+        sums = _Summing(net, senders, engine_threads, servers)
         # per unit, per partition: (bus seconds, node link seconds, server link seconds,
-        # the server's links); on the root path the bus is the whole unit's, below
+        # the server's links, its engine lane, engine seconds in all, after the last push,
+        # and the lead of its second push over its last); on the root path the bus is the
+        # whole unit's, below
         self.steps = [[(intra.seconds(size * bus_share) if bus_share and not whole else 0.0,
                         size * node_share * inter.beta, size * senders * inter.beta,
-                        4 + 2 * server, 5 + 2 * server) for size, server in unit]
-                      for unit in parts]
+                        4 + 2 * server, 5 + 2 * server,
+                        lanes + server * engine_threads + sums.bind(server, size),
+                        *sums.seconds(size, size * senders * inter.beta))
+                       for size, server in unit] for unit in parts]
         # root: each unit's one reduce (and broadcast) and copy, before its first push and
         # after its last pull
         self.whole = [intra.seconds(sum(size for size, _ in unit) * bus_share) if whole
@@ -202,7 +230,7 @@ class ParameterServers:
             busy[2] += whole
             if log is not None:
                 log.append((self.names[2], unit, t - whole, t))
-        for bus, node, server, s_in, s_out in self.steps[unit]:
+        for bus, node, server, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
             start = t
             if bus:  # bus up
                 start = (t if t > free[2] else free[2]) + bus
@@ -215,10 +243,19 @@ class ParameterServers:
             free[s_in] = into
             busy[s_in] += server
             pushed = (up if up > into else into) + alpha
-            out = (pushed if pushed > free[s_out] else free[s_out]) + server  # server out
+            if summing:  # the engine lane: from the second push, the rest after the last
+                begun = pushed - lead
+                summed = (begun if begun > free[lane] else free[lane]) + summing
+                if summed < pushed + tail:
+                    summed = pushed + tail
+                free[lane] = summed
+                busy[lane] += summing
+            else:
+                summed = pushed
+            out = (summed if summed > free[s_out] else free[s_out]) + server  # server out
             free[s_out] = out
             busy[s_out] += server
-            down = (pushed if pushed > free[1] else free[1]) + node  # node down
+            down = (summed if summed > free[1] else free[1]) + node  # node down
             free[1] = down
             busy[1] += node
             pulled = (out if out > down else down) + alpha
@@ -230,8 +267,8 @@ class ParameterServers:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
                 log += [(self.names[i], unit, free[i] - spent, free[i])
-                        for i, spent in ((2, bus), (0, node), (s_in, server), (s_out, server),
-                                         (1, node), (3, bus)) if spent]
+                        for i, spent in ((2, bus), (0, node), (s_in, server), (lane, summing),
+                                         (s_out, server), (1, node), (3, bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
             done = (done if done > free[3] else free[3]) + whole
             free[3] = done
@@ -244,3 +281,27 @@ class ParameterServers:
         """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""
         issue = self.issue
         return [issue(i, b, t) for i, (b, t) in enumerate(zip(nbytes, ready))]
+
+
+class _Summing:
+    """A server's engine work per partition and the lane it runs on (ParameterServers)."""
+
+    def __init__(self, net: Network, senders: int, threads: int, servers: int) -> None:
+        share = min(REDUCER_THREADS / SERVER_CORES, 1 / threads)  # of the server's memory
+        self.s_per_byte = 1 / (net.server_memory * share) if net.server_memory else 0.0
+        self.senders = senders
+        self.bindings = [ThreadBinding(threads) for _ in range(servers)]
+        self.keys = itertools.count()  # every partition is a key of its own
+
+    def bind(self, server: int, size: int) -> int:
+        return self.bindings[server].bind(next(self.keys), size)
+
+    def seconds(self, size: int, pushes_s: float) -> tuple[float, float, float]:
+        """(engine seconds in all, those after the last push, the second push's lead over
+        the last) of a partition of `size` bytes whose pushes take `pushes_s` to come in."""
+        adds = self.senders - 1
+        if not self.s_per_byte:
+            return 0.0, 0.0, 0.0
+        tail = (3 * min(adds, 1) + 2) * size * self.s_per_byte  # the last add, the copy
+        lead = pushes_s * (adds - 1) / self.senders if adds else 0.0
+        return (3 * adds + 2) * size * self.s_per_byte, tail, lead
