@@ -41,10 +41,17 @@ class ThreadBinding:
         """The thread of `key`, binding it on first sight (`nbytes`: one push's size)."""
         thread = self.thread_of.get(key)
         if thread is None:
-            thread = min(range(len(self.load)), key=self.load.__getitem__)  # lowest on ties
-            self.load[thread] += nbytes
-            self.thread_of[key] = thread
+            thread = self.thread_of[key] = self.bind_new([nbytes])[0]
         return thread
+
+    def bind_new(self, sizes: list[int]) -> list[int]:
+        """The threads of new keys of `sizes` bytes, bound in this order (the rule itself)."""
+        load, out = self.load, []
+        for nbytes in sizes:
+            thread = load.index(min(load))  # the lowest index on ties
+            load[thread] += nbytes
+            out.append(thread)
+        return out
 
 
 class EngineQueue:

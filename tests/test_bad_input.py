@@ -255,6 +255,11 @@ ROWS = [
     ("harness.methodbench", ["--methods", "bsp_ps", "--engines", "horovod"],
      ["--methods bsp_ps with --engines horovod selects no run", "--engines native"]),
     ("harness.methodbench", ["--workers", "1000"], ["1000 local processes", "--force"]),
+    # BytePS's server engine threads (issue 39, item 4)
+    ("harness.run", ["method=wfbp_ps", "method.transport.engine_threads=0"],
+     ["method.transport.engine_threads=0 is invalid", "> 0"]),
+    ("harness.run", ["method=bsp_ps", "method.transport.engine_threads=2.5"],
+     ["method.transport.engine_threads=2.5", "an integer"]),
 ]
 DEFAULTS = {  # where each command would write, inside the scratch folder
     "harness.run": ["results_dir={tmp}/results", *TINY],

@@ -6,7 +6,6 @@ behind its own link and summing on its engine threads."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,26 +189,27 @@ class ParameterServers:
         senders = nodes if local_reduce else nodes * per_node
         node_share = 1 if local_reduce else per_node
         # links by index: node up, node down, bus up, bus down, each server's in, out, then
-        # each server's engine lanes
-        lanes = 4 + 2 * servers
+        # each server's engine lanes (`_name`)
         self.names = ["node_up", "node_down", "bus_up", "bus_down"] + [
-            f"server{s}_{way}" for s in range(servers) for way in ("in", "out")] + [
-            f"server{s}_engine{t}" for s in range(servers) for t in range(engine_threads)]
-        self.free = [0.0] * len(self.names)
-        self.busy_s = [0.0] * len(self.names)
-        self.log: list | None = None
+            f"server{s}_{way}" for s in range(servers) for way in ("in", "out")]
+        self.threads = engine_threads
         inter, intra = net.inter, net.intra
-        sums = _Summing(net, senders, engine_threads, servers)
+        sums = _Summing(net, senders, engine_threads)
+        lanes = sums.lanes(parts, len(self.names))
+        per_all, per_tail, lead = sums.factors
+        wire = senders * inter.beta
         # per unit, per partition: (bus seconds, node link seconds, server link seconds,
         # the server's links, its engine lane, engine seconds in all, after the last push,
         # and the lead of its second push over its last); on the root path the bus is the
         # whole unit's, below
         self.steps = [[(intra.seconds(size * bus_share) if bus_share and not whole else 0.0,
-                        size * node_share * inter.beta, size * senders * inter.beta,
-                        4 + 2 * server, 5 + 2 * server,
-                        lanes + server * engine_threads + sums.bind(server, size),
-                        *sums.seconds(size, size * senders * inter.beta))
-                       for size, server in unit] for unit in parts]
+                        size * node_share * inter.beta, size * wire, 4 + 2 * server,
+                        5 + 2 * server, lane, size * per_all, size * per_tail, size * wire * lead)
+                       for (size, server), lane in zip(unit, unit_lanes)]
+                      for unit, unit_lanes in zip(parts, lanes)]
+        self.free = [0.0] * (len(self.names) + servers * engine_threads)
+        self.issued = [0] * len(parts)  # times each unit was issued: the links' busy time
+        self.log: list | None = None
         # root: each unit's one reduce (and broadcast) and copy, before its first push and
         # after its last pull
         self.whole = [intra.seconds(sum(size for size, _ in unit) * bus_share) if whole
@@ -217,31 +217,55 @@ class ParameterServers:
 
     @property
     def busy(self) -> dict[str, float]:
-        return dict(zip(self.names, self.busy_s))
+        """Seconds each link, and each engine lane that had work, was busy over every
+        unit issued so far."""
+        busy = [0.0] * len(self.free)
+        for unit, n in enumerate(self.issued):
+            if not n:
+                continue
+            bus = node = 0.0
+            for step in self.steps[unit]:
+                bus += step[0]
+                node += step[1]
+                busy[step[3]] += n * step[2]  # the server's in and out links
+                busy[step[4]] += n * step[2]
+                busy[step[5]] += n * step[6]  # its engine lane
+            bus += self.whole[unit]
+            busy[0] += n * node
+            busy[1] += n * node
+            busy[2] += n * bus
+            busy[3] += n * bus
+        links = len(self.names)
+        return {**dict(zip(self.names, busy)),
+                **{self._name(i): b for i, b in enumerate(busy[links:], links) if b}}
+
+    def _name(self, i: int) -> str:
+        """Link or lane `i`'s name (server<s>_engine<t> for the lanes)."""
+        if i < len(self.names):
+            return self.names[i]
+        server, thread = divmod(i - len(self.names), self.threads)
+        return f"server{server}_engine{thread}"
 
     def issue(self, unit: int, nbytes: int, t: float) -> float:
         """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
         (The queues of the class docstring, written out: the simulator's innermost loop.)"""
-        done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
+        done, alpha, free = t, self.net.inter.alpha, self.free
         whole, log = self.whole[unit], self.log
+        self.issued[unit] += 1
         if whole:  # root: the unit reduced and on the host before the first push
             t = (t if t > free[2] else free[2]) + whole
             free[2] = done = t
-            busy[2] += whole
             if log is not None:
-                log.append((self.names[2], unit, t - whole, t))
+                log.append((self._name(2), unit, t - whole, t))
         for bus, node, server, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
             start = t
             if bus:  # bus up
                 start = (t if t > free[2] else free[2]) + bus
                 free[2] = start
-                busy[2] += bus
             up = (start if start > free[0] else free[0]) + node  # node up
             free[0] = up
-            busy[0] += node
             into = (start if start > free[s_in] else free[s_in]) + server  # server in
             free[s_in] = into
-            busy[s_in] += server
             pushed = (up if up > into else into) + alpha
             if summing:  # the engine lane: from the second push, the rest after the last
                 begun = pushed - lead
@@ -249,32 +273,27 @@ class ParameterServers:
                 if summed < pushed + tail:
                     summed = pushed + tail
                 free[lane] = summed
-                busy[lane] += summing
             else:
                 summed = pushed
             out = (summed if summed > free[s_out] else free[s_out]) + server  # server out
             free[s_out] = out
-            busy[s_out] += server
             down = (summed if summed > free[1] else free[1]) + node  # node down
             free[1] = down
-            busy[1] += node
             pulled = (out if out > down else down) + alpha
             if bus:  # bus down
                 pulled = (pulled if pulled > free[3] else free[3]) + bus
                 free[3] = pulled
-                busy[3] += bus
             if pulled > done:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
-                log += [(self.names[i], unit, free[i] - spent, free[i])
+                log += [(self._name(i), unit, free[i] - spent, free[i])
                         for i, spent in ((2, bus), (0, node), (s_in, server), (lane, summing),
                                          (s_out, server), (1, node), (3, bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
             done = (done if done > free[3] else free[3]) + whole
             free[3] = done
-            busy[3] += whole
             if log is not None:
-                log.append((self.names[3], unit, done - whole, done))
+                log.append((self._name(3), unit, done - whole, done))
         return done
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
@@ -286,22 +305,27 @@ class ParameterServers:
 class _Summing:
     """A server's engine work per partition and the lane it runs on (ParameterServers)."""
 
-    def __init__(self, net: Network, senders: int, threads: int, servers: int) -> None:
+    def __init__(self, net: Network, senders: int, threads: int) -> None:
         share = min(REDUCER_THREADS / SERVER_CORES, 1 / threads)  # of the server's memory
-        self.s_per_byte = 1 / (net.server_memory * share) if net.server_memory else 0.0
-        self.senders = senders
-        self.bindings = [ThreadBinding(threads) for _ in range(servers)]
-        self.keys = itertools.count()  # every partition is a key of its own
+        per_byte = 1 / (net.server_memory * share) if net.server_memory else 0.0
+        adds = senders - 1  # one add per push but the first, then a copy: 3 and 2 bytes
+        self.threads = threads
+        # engine seconds per byte of partition, in all and after the last push; the second
+        # push's lead over the last, per second the pushes take to come in
+        self.factors = ((3 * adds + 2) * per_byte, (3 * min(adds, 1) + 2) * per_byte,
+                        (adds - 1) / senders if adds else 0.0)
 
-    def bind(self, server: int, size: int) -> int:
-        return self.bindings[server].bind(next(self.keys), size)
-
-    def seconds(self, size: int, pushes_s: float) -> tuple[float, float, float]:
-        """(engine seconds in all, those after the last push, the second push's lead over
-        the last) of a partition of `size` bytes whose pushes take `pushes_s` to come in."""
-        adds = self.senders - 1
-        if not self.s_per_byte:
-            return 0.0, 0.0, 0.0
-        tail = (3 * min(adds, 1) + 2) * size * self.s_per_byte  # the last add, the copy
-        lead = pushes_s * (adds - 1) / self.senders if adds else 0.0
-        return (3 * adds + 2) * size * self.s_per_byte, tail, lead
+    def lanes(self, parts: list[list[tuple[int, int]]], first: int) -> list[list[int]]:
+        """Per unit, each partition's lane, `first` + server x threads + its thread (0s
+        when summing is not timed): each server binds its partitions in plan order, every
+        partition a key of its own (methods/server_queue.py's rule)."""
+        if not self.factors[0]:
+            return [[0] * len(unit) for unit in parts]
+        sizes: dict[int, list[int]] = {}
+        for unit in parts:
+            for size, server in unit:
+                sizes.setdefault(server, []).append(size)
+        lanes = {server: iter([first + server * self.threads + t
+                               for t in ThreadBinding(self.threads).bind_new(of)])
+                 for server, of in sizes.items()}
+        return [[next(lanes[server]) for _, server in unit] for unit in parts]
