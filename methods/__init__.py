@@ -106,6 +106,7 @@ def _check_sizes(method: Mapping[str, Any]) -> None:
     """Partitions, credits and fusion sizes must be positive (a credit smaller than a
     partition is fine: ByteScheduler lets one piece go whenever any credit is left)."""
     _positive(method, "transport", "partition_bytes")
+    _positive(method, "transport", "engine_threads")
     for key in ("profile_iters", "fit_repeats"):
         _positive(method, "planner", key)
     partition = _elements(method, "planner", "partition")

@@ -59,6 +59,7 @@ class PSArgs:
     assignment: str = "hash"
     server_schedule: bool = False
     node_reduce: str = "scatter"
+    engine_threads: int = 1  # BytePS's default is 4; the study's PS method files set 8
 
 
 # -- planners ------------------------------------------------------------------------------

@@ -20,8 +20,10 @@ so the sum over workers is the average. Four switches, defaults as in the study:
   the host, pushes, pulls and broadcasts it (methods/ps_node.py).
 - `assignment`: `hash` (BytePS's djb2 of the key) or `balanced` (by bytes).
 - `server_schedule` (BYTEPS_SERVER_ENABLE_SCHEDULE): each server sums first the
-  key with the fewest pushes counted since it last completed (BytePS's queue,
-  methods/server.py); workers stay FIFO.
+  key with the fewest pushes counted since its last push of a round arrived (BytePS's
+  queue, methods/server_queue.py); workers stay FIFO.
+- `engine_threads` (BYTEPS_SERVER_ENGINE_THREAD): each server's summing threads, a queue
+  each, a key bound to the one with the fewest bytes bound so far (the study ran 8).
 
 The messages and their tags are methods/ps_wire.py; the host staging and the threads
 that post and land each unit are methods/ps_node.py, their steps on the scatter path
@@ -98,7 +100,7 @@ class PSTransport:
     def __init__(self, *, group: dist.ProcessGroup | None = None,
                  partition_bytes: int = PARTITION_BYTES, local_reduce: bool = True,
                  assignment: str = "hash", server_schedule: bool = False,
-                 node_reduce: str = "scatter",
+                 node_reduce: str = "scatter", engine_threads: int = 1,
                  workers_per_node: int = 1, node_groups: tuple | None = None,
                  timeout_s: float | None = None) -> None:
         if partition_bytes <= 0:
@@ -107,6 +109,9 @@ class PSTransport:
         if assignment not in ASSIGNMENTS:
             raise ValueError(f"transport assignment={assignment!r} is unknown; choose one of: "
                              f"{', '.join(ASSIGNMENTS)}")
+        if engine_threads < 1:
+            raise ValueError(f"transport engine_threads={engine_threads} is invalid; it must "
+                             "be >= 1")
         if node_reduce not in NODE_REDUCES:
             raise ValueError(f"transport node_reduce={node_reduce!r} is unknown; choose one "
                              f"of: {', '.join(NODE_REDUCES)}")
@@ -126,7 +131,7 @@ class PSTransport:
         self.scale = 1.0 / self.size  # every contribution pre-divided: the sum is the average
         self.partition_bytes, self.assignment = partition_bytes, assignment
         self.local_reduce, self.server_schedule = local_reduce, server_schedule
-        self.node_reduce = node_reduce
+        self.node_reduce, self.engine_threads = node_reduce, engine_threads
         self.scatter = node_reduce == "scatter" and self.node.size > 1 and not self.serverless
         self.timeout_s = 300.0 if timeout_s is None else timeout_s
         self.parts: list[list[Part]] = []
@@ -162,7 +167,8 @@ class PSTransport:
         for server in self.servers:
             layout = torch.tensor([[p.key, p.numel] for ps in self.parts for p in ps
                                    if p.server == server], dtype=torch.int64).reshape(-1)
-            opening = [layout.numel() // 2, self.node.size, int(self.server_schedule)]
+            opening = [layout.numel() // 2, self.node.size, int(self.server_schedule),
+                       self.engine_threads]
             _tell_servers(header(OPEN, opening, dtype), [server])
             _tell_servers(layout, [server], tag=LAYOUT_TAG)
         self.pipeline = (ScatterPipeline if self.scatter else _Pipeline)(self.servers, self.node)
@@ -197,5 +203,6 @@ class PSTransport:
                 "servers": len(self.servers), "partition_bytes": self.partition_bytes,
                 "local_reduce": self.local_reduce, "node_reduce": self.node_reduce,
                 "assignment": self.assignment,
-                "server_schedule": self.server_schedule, **self.described}
+                "server_schedule": self.server_schedule,
+                "engine_threads": self.engine_threads, **self.described}
 

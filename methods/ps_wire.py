@@ -17,7 +17,8 @@ Messages are matched by (peer, tag), never by arrival order:
   methods/ps_shared.py.
 
 A header is HEADER int64 words: [op, count, dtype, values...], `dtype` an index into
-DTYPES. OPEN's values are [keys, node size, server_schedule]; PUSH's are the keys
+DTYPES. OPEN's values are [keys, node size, server_schedule, engine_threads]; PUSH's are
+the keys
 whose data follow (at most HEADER - 3 per header).
 """
 

@@ -316,6 +316,11 @@ ROWS = [
       "drop run.fault"]),
     ("harness.run", ["run.fault.rank=0", "run.fault.kind=freeze"],
      ["run.fault.kind='freeze' is invalid", "raise, exit, hang, stop, abort"]),
+    # BytePS's server engine threads (issue 39, item 4)
+    ("harness.run", ["method=wfbp_ps", "method.transport.engine_threads=0"],
+     ["method.transport.engine_threads=0 is invalid", "> 0"]),
+    ("harness.run", ["method=bsp_ps", "method.transport.engine_threads=2.5"],
+     ["method.transport.engine_threads=2.5", "an integer"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"

@@ -1,5 +1,6 @@
-"""The study's engines rule by rule: BytePS's keys, servers, node-local aggregation and
-server scheduling; ByteScheduler's slices and Horovod's fusion; the plan viewer."""
+"""The study's engines rule by rule: BytePS's keys, servers and node-local aggregation
+(its server engine: tests/test_ps_server.py); ByteScheduler's slices and Horovod's fusion;
+the plan viewer."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import datetime as dt
 import json
 import shutil
 import subprocess
-import threading
 
 import pytest
 import torch
@@ -22,7 +22,6 @@ from harness.predict import plans as plan
 from methods import layout
 from methods.layout import PIECE_BITS, djb2
 from methods.plan import Partition, Unit, fuse_pieces, slices
-from methods.server import EngineQueue
 from tests.conftest import run_module
 from tests.test_methods import BERT, _context, _free_port, _spawn
 
@@ -127,32 +126,6 @@ def test_horovod_fusion_packs_consecutive_pieces_up_to_the_threshold() -> None:
     assert fuse_pieces([4, 4, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]
     assert fuse_pieces([4, 4, 4], 0) == [[0], [1], [2]]
     assert fuse_pieces([3, 3, 3], 100) == [[0, 1, 2]]
-
-
-@pytest.mark.parametrize("schedule, order", [
-    (False, ["a1", "b1", "b2", "c1", "b3", "a2", "c2"]),  # FIFO
-    # BytePS's queue: fewest counted pushes of the key first, the oldest on ties; counts are
-    # not decremented when served and start again when the key completes
-    (True, ["a1", "c1", "b1", "a2", "b2", "b3", "c2"]),
-])
-def test_server_engine_serves_the_key_with_fewest_counted_pushes_first(schedule, order) -> None:
-    queue = EngineQueue()
-    for key, item in ((1, "a1"), (2, "b1"), (2, "b2"), (3, "c1"), (2, "b3")):
-        queue.put(key, item, schedule=schedule)  # counts: key 1: 1, key 2: 3, key 3: 1
-    got = [queue.get(0) for _ in range(3)]      # a1 (1, oldest), c1 (1), b1 (3, oldest)
-    queue.put(1, "a2", schedule=schedule)        # key 1 counts 2: still before key 2's 3
-    got.append(queue.get(0))
-    queue.completed(2)                           # key 2's count starts again at 0
-    queue.put(3, "c2", schedule=schedule)        # key 3 counts 2
-    got += [queue.get(0) for _ in range(3)]      # b2, b3 (0) before c2 (2)
-    assert got == order
-    assert queue.get(0.01) is None
-
-
-def test_server_engine_wakes_for_a_push_from_another_thread() -> None:
-    queue = EngineQueue()
-    threading.Timer(0.05, queue.put, args=(7, "late")).start()
-    assert queue.get(5) == "late"
 
 
 # -- node-local aggregation with real processes ------------------------------------------

@@ -124,6 +124,56 @@ def test_ps_through_the_root_crosses_the_bus_whole_and_scatter_pipelines_it() ->
                          gpu).iteration_s > model.predict(cfg("bsp_ps", *shape), c, gpu).iteration_s
 
 
+def _summing(memory: float) -> network.Network:
+    """Free buses, the test's links, servers with `memory` bytes/s of memory."""
+    return network.Network("test", Cost(0.0, 0.0), Cost(ALPHA, BETA), "ring", False, memory)
+
+
+def test_a_server_sums_on_its_engine_thread_before_it_answers() -> None:
+    # one 4 MB partition from 2 nodes; a 1 GB/s server, one engine thread streaming 4 of
+    # its 40 cores' share (100 MB/s): one add (3 bytes per byte) and one copy (2), both
+    # after the second (last) push is in
+    size = 4_000_000
+    ps = network.ParameterServers(_summing(1e9), [[(size, 0)]], 2, 1, 1, True)
+    pushed = 2 * size * BETA + ALPHA   # both nodes' pushes through the server's link
+    summed = pushed + 5 * size / 1e8   # 0.2 s
+    assert ps.issue(0, size, 0.0) == pytest.approx(summed + 2 * size * BETA + ALPHA)
+    assert ps.busy["server0_engine0"] == pytest.approx(0.2)
+    # servers whose summing is not timed (a local network) answer once the pushes are in
+    plain = network.ParameterServers(_summing(0.0), [[(size, 0)]], 2, 1, 1, True)
+    assert plain.issue(0, size, 0.0) == pytest.approx(pushed + 2 * size * BETA + ALPHA)
+    assert not any("engine" in lane for lane in plain.busy)
+
+
+def test_server_engine_threads_share_the_partitions_by_bytes_bound() -> None:
+    # one server, partitions of 4S, S, S, S, S bytes first seen in that order: thread 0 takes
+    # 4S, thread 1 the four S's (each time the one with fewer bytes bound), 4S each
+    size = 1_000_000
+    unit = [[(4 * size, 0)] + [(size, 0)] * 4]
+    ps = network.ParameterServers(_summing(1e9), unit, 2, 1, 1, True, engine_threads=2)
+    ps.issue(0, 8 * size, 0.0)
+    assert ps.busy["server0_engine0"] == pytest.approx(ps.busy["server0_engine1"]) == \
+        pytest.approx(5 * 4 * size / 1e8)
+    # 8 equal partitions, each in after 20 ms more on the server's link, then 50 ms of
+    # summing: one thread sums them one after another from the first's arrival (21 ms),
+    # two threads alternate them, the second starting at the second's (41 ms); the last
+    # answer leaves 21 ms later
+    done = {threads: network.ParameterServers(_summing(1e9), [[(size, 0)] * 8], 2, 1, 1,
+                                              True, engine_threads=threads).issue(0, 0, 0.0)
+            for threads in (1, 2)}
+    assert done[1] == pytest.approx(0.021 + 8 * 0.05 + 0.021)
+    assert done[2] == pytest.approx(0.041 + 4 * 0.05 + 0.021)
+    # and the simulator takes the method's threads and names the bottleneck
+    c = compute([10_000_000], [0.01])
+    slow = [model.predict(cfg("bsp_ps", "cluster.nodes=4", f"method.transport.engine_threads={t}"),
+                          c, _summing(1e9)) for t in (1, 8)]
+    assert slow[0].plan["busiest_link"].startswith("server") and "_engine" in \
+        slow[0].plan["busiest_link"] and slow[0].bottleneck == "server engine"
+    # eight threads sum a server's five partitions side by side: its link is the limit
+    assert slow[1].bottleneck == "server link"
+    assert slow[1].iteration_s < 0.7 * slow[0].iteration_s
+
+
 def test_mgwfbp_merges_small_tensors_and_beats_wfbp_on_start_up_costs() -> None:
     # 200 small tensors ready almost at once: one all-reduce each pays 200 start-ups
     c = compute([20_000] * 200, [0.0001] * 200)

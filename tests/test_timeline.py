@@ -93,7 +93,8 @@ def test_bytescheduler_traces_its_pieces_from_its_own_thread(results_dir) -> Non
 @pytest.mark.parametrize(("method", "lanes"), [
     ("wfbp_a2a", ["compute", "comm", "collective"]),
     ("wfbp_ps", ["compute", "comm", "node_up", "node_down", "bus_up", "bus_down",
-                 "server0_in", "server0_out", "server1_in", "server1_out"]),
+                 *[f"server{s}_{lane}" for s in (0, 1) for lane in
+                   ("in", "out", *[f"engine{t}" for t in range(8)])]]),
     ("bytescheduler_a2a", ["compute", "comm", "updates", "collective"]),
 ])
 def test_a_predicted_trace_has_a_lane_per_link_and_server(method, lanes, tmp_path) -> None:

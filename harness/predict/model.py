@@ -68,7 +68,8 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
         comm = ParameterServers(net, [[(p.numel * ELEMENT_SIZE, p.server) for p in ps]
                                       for ps in planned.parts], nodes, per_node,
                                 planned.servers, method.transport.get("local_reduce", True),
-                                method.transport.get("node_reduce", "scatter"))
+                                method.transport.get("node_reduce", "scatter"),
+                                method.transport.get("engine_threads", 1))
     elif method.transport.name == "ps":  # one node, no servers: each partition all-reduced
         comm = Collectives(lambda u, _: sum(collective(u, p.numel * ELEMENT_SIZE)
                                             for p in planned.parts[u]))
@@ -91,8 +92,8 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
     busy /= len(ends)
     bottleneck = "compute"
     if exposed > 0.05 * iteration:
-        bottleneck = ("server link" if busiest.startswith("server")
-                      else "exposed communication")
+        bottleneck = ("exposed communication" if not busiest.startswith("server") else
+                      "server engine" if "_engine" in busiest else "server link")
     plan = {**described, "units": len(units), "alpha_s": cost.alpha, "beta_s_per_byte": cost.beta,
             "busiest_link": busiest, "busy_s_per_iteration": busy,
             "compute": compute.source, "network": net.name}

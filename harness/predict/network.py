@@ -2,7 +2,7 @@
 real profile's facts or this machine's microbenchmark, the all-reduce algorithms
 (ring, tree, hierarchical; on Horovod each may start on its negotiation cycle), and the
 queued resources iterations use: the collective streams and the parameter servers, each
-behind its own link."""
+behind its own link and summing on its engine threads."""
 
 from __future__ import annotations
 
@@ -16,8 +16,17 @@ from harness.config.frozen import Config
 from harness.measure import results
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
 from methods.costmodel import Cost, least_squares
+from methods.server_queue import ThreadBinding
 
 ELEMENT_SIZE = 4  # fp32 gradients
+# The study's parameter servers, machines of their own (hosts gpu9 and up), assumed of the
+# workers' kind: 2x Xeon Gold 6230, 20 cores and 6 channels of DDR4-2933 (140.8 GB/s, its
+# spec sheet) per socket. BytePS sums on each engine thread with its CpuReducer's 4 OpenMP
+# threads (BYTEPS_OMP_THREAD_PER_GPU's default, common/cpu_reducer.cc), each core taken
+# to stream its share of the machine's memory bandwidth.
+STUDY_SERVER_MEMORY_BYTES_PER_S = 2 * 140.8e9
+SERVER_CORES = 40
+REDUCER_THREADS = 4
 
 
 # -- the network -------------------------------------------------------------------------
@@ -29,6 +38,7 @@ class Network:
     inter: Cost           # between nodes, and to every parameter server
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
+    server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
 
 
 def network(cfg: Config) -> Network:
@@ -40,7 +50,8 @@ def network(cfg: Config) -> Network:
         ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
         beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
         return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
-                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)))
+                       net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
+                       STUDY_SERVER_MEMORY_BYTES_PER_S)
     link = _microbench_link(cfg)
     return Network(net.name, link, link, "ring", False)
 
@@ -138,7 +149,7 @@ class Collectives:
 
 
 class ParameterServers:
-    """Push every partition to its server, which answers once all pushes are in.
+    """Push every partition to its server, which sums the pushes and answers once all are in.
 
     Links are one-way queues: a node's uplink and downlink (a worker's own when nodes
     do not reduce locally), each server's downlink and uplink, and the node's bus
@@ -148,6 +159,14 @@ class ParameterServers:
     rate the intra-node all-reduce fact gives, so each gets half of it. A link is a
     queue: what it carries starts once the link is free, and keeps it busy.
 
+    Each server sums on `engine_threads` lanes (BytePS's engine threads, methods/server.py),
+    a partition on the lane its key is bound to by BytePS's rule (the fewest bytes bound so
+    far, partitions bound in plan order, methods/server_queue.py): per round, one add per
+    push but the first and one copy into the answer, each streaming 3 and 2 bytes of memory
+    per byte at the lane's share of the server's memory (`Network.server_memory`; 0: not
+    timed). The adds start once a second push is in, the last add and the copy follow the
+    last push; the answer leaves once they are done.
+
     With `node_reduce="root"` (methods/ps_node.py) the whole unit is reduced to the root,
     which alone copies it to the host, before its first push, and copies it back and
     broadcasts it after its last pull: no partition of a unit overlaps the bus. While
@@ -156,7 +175,7 @@ class ParameterServers:
 
     def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
                  per_node: int, servers: int, local_reduce: bool,
-                 node_reduce: str = "scatter") -> None:
+                 node_reduce: str = "scatter", engine_threads: int = 1) -> None:
         """`parts`: per unit, (bytes, server index) of each partition; `local_reduce`: a
         node sums its workers' gradients and pushes once (BytePS)."""
         self.net, self.servers = net, servers
@@ -169,19 +188,28 @@ class ParameterServers:
             2 * ((sharing - 1) + net.ps_host_copy) / sharing
         senders = nodes if local_reduce else nodes * per_node
         node_share = 1 if local_reduce else per_node
-        # links by index: node up, node down, bus up, bus down, then each server's in, out
+        # links by index: node up, node down, bus up, bus down, each server's in, out, then
+        # each server's engine lanes (`_name`)
         self.names = ["node_up", "node_down", "bus_up", "bus_down"] + [
             f"server{s}_{way}" for s in range(servers) for way in ("in", "out")]
-        self.free = [0.0] * len(self.names)
-        self.busy_s = [0.0] * len(self.names)
-        self.log: list | None = None
+        self.threads = engine_threads
         inter, intra = net.inter, net.intra
+        sums = _Summing(net, senders, engine_threads)
+        lanes = sums.lanes(parts, len(self.names))
+        per_all, per_tail, lead = sums.factors
+        wire = senders * inter.beta
         # per unit, per partition: (bus seconds, node link seconds, server link seconds,
-        # the server's links); on the root path the bus is the whole unit's, below
+        # the server's links, its engine lane, engine seconds in all, after the last push,
+        # and the lead of its second push over its last); on the root path the bus is the
+        # whole unit's, below
         self.steps = [[(intra.seconds(size * bus_share) if bus_share and not whole else 0.0,
-                        size * node_share * inter.beta, size * senders * inter.beta,
-                        4 + 2 * server, 5 + 2 * server) for size, server in unit]
-                      for unit in parts]
+                        size * node_share * inter.beta, size * wire, 4 + 2 * server,
+                        5 + 2 * server, lane, size * per_all, size * per_tail, size * wire * lead)
+                       for (size, server), lane in zip(unit, unit_lanes)]
+                      for unit, unit_lanes in zip(parts, lanes)]
+        self.free = [0.0] * (len(self.names) + servers * engine_threads)
+        self.issued = [0] * len(parts)  # times each unit was issued: the links' busy time
+        self.log: list | None = None
         # root: each unit's one reduce (and broadcast) and copy, before its first push and
         # after its last pull
         self.whole = [intra.seconds(sum(size for size, _ in unit) * bus_share) if whole
@@ -189,58 +217,115 @@ class ParameterServers:
 
     @property
     def busy(self) -> dict[str, float]:
-        return dict(zip(self.names, self.busy_s))
+        """Seconds each link, and each engine lane that had work, was busy over every
+        unit issued so far."""
+        busy = [0.0] * len(self.free)
+        for unit, n in enumerate(self.issued):
+            if not n:
+                continue
+            bus = node = 0.0
+            for step in self.steps[unit]:
+                bus += step[0]
+                node += step[1]
+                busy[step[3]] += n * step[2]  # the server's in and out links
+                busy[step[4]] += n * step[2]
+                busy[step[5]] += n * step[6]  # its engine lane
+            bus += self.whole[unit]
+            busy[0] += n * node
+            busy[1] += n * node
+            busy[2] += n * bus
+            busy[3] += n * bus
+        links = len(self.names)
+        return {**dict(zip(self.names, busy)),
+                **{self._name(i): b for i, b in enumerate(busy[links:], links) if b}}
+
+    def _name(self, i: int) -> str:
+        """Link or lane `i`'s name (server<s>_engine<t> for the lanes)."""
+        if i < len(self.names):
+            return self.names[i]
+        server, thread = divmod(i - len(self.names), self.threads)
+        return f"server{server}_engine{thread}"
 
     def issue(self, unit: int, nbytes: int, t: float) -> float:
         """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
         (The queues of the class docstring, written out: the simulator's innermost loop.)"""
-        done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
+        done, alpha, free = t, self.net.inter.alpha, self.free
         whole, log = self.whole[unit], self.log
+        self.issued[unit] += 1
         if whole:  # root: the unit reduced and on the host before the first push
             t = (t if t > free[2] else free[2]) + whole
             free[2] = done = t
-            busy[2] += whole
             if log is not None:
-                log.append((self.names[2], unit, t - whole, t))
-        for bus, node, server, s_in, s_out in self.steps[unit]:
+                log.append((self._name(2), unit, t - whole, t))
+        for bus, node, server, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
             start = t
             if bus:  # bus up
                 start = (t if t > free[2] else free[2]) + bus
                 free[2] = start
-                busy[2] += bus
             up = (start if start > free[0] else free[0]) + node  # node up
             free[0] = up
-            busy[0] += node
             into = (start if start > free[s_in] else free[s_in]) + server  # server in
             free[s_in] = into
-            busy[s_in] += server
             pushed = (up if up > into else into) + alpha
-            out = (pushed if pushed > free[s_out] else free[s_out]) + server  # server out
+            if summing:  # the engine lane: from the second push, the rest after the last
+                begun = pushed - lead
+                summed = (begun if begun > free[lane] else free[lane]) + summing
+                if summed < pushed + tail:
+                    summed = pushed + tail
+                free[lane] = summed
+            else:
+                summed = pushed
+            out = (summed if summed > free[s_out] else free[s_out]) + server  # server out
             free[s_out] = out
-            busy[s_out] += server
-            down = (pushed if pushed > free[1] else free[1]) + node  # node down
+            down = (summed if summed > free[1] else free[1]) + node  # node down
             free[1] = down
-            busy[1] += node
             pulled = (out if out > down else down) + alpha
             if bus:  # bus down
                 pulled = (pulled if pulled > free[3] else free[3]) + bus
                 free[3] = pulled
-                busy[3] += bus
             if pulled > done:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
-                log += [(self.names[i], unit, free[i] - spent, free[i])
-                        for i, spent in ((2, bus), (0, node), (s_in, server), (s_out, server),
-                                         (1, node), (3, bus)) if spent]
+                log += [(self._name(i), unit, free[i] - spent, free[i])
+                        for i, spent in ((2, bus), (0, node), (s_in, server), (lane, summing),
+                                         (s_out, server), (1, node), (3, bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
             done = (done if done > free[3] else free[3]) + whole
             free[3] = done
-            busy[3] += whole
             if log is not None:
-                log.append((self.names[3], unit, done - whole, done))
+                log.append((self._name(3), unit, done - whole, done))
         return done
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
         """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""
         issue = self.issue
         return [issue(i, b, t) for i, (b, t) in enumerate(zip(nbytes, ready))]
+
+
+class _Summing:
+    """A server's engine work per partition and the lane it runs on (ParameterServers)."""
+
+    def __init__(self, net: Network, senders: int, threads: int) -> None:
+        share = min(REDUCER_THREADS / SERVER_CORES, 1 / threads)  # of the server's memory
+        per_byte = 1 / (net.server_memory * share) if net.server_memory else 0.0
+        adds = senders - 1  # one add per push but the first, then a copy: 3 and 2 bytes
+        self.threads = threads
+        # engine seconds per byte of partition, in all and after the last push; the second
+        # push's lead over the last, per second the pushes take to come in
+        self.factors = ((3 * adds + 2) * per_byte, (3 * min(adds, 1) + 2) * per_byte,
+                        (adds - 1) / senders if adds else 0.0)
+
+    def lanes(self, parts: list[list[tuple[int, int]]], first: int) -> list[list[int]]:
+        """Per unit, each partition's lane, `first` + server x threads + its thread (0s
+        when summing is not timed): each server binds its partitions in plan order, every
+        partition a key of its own (methods/server_queue.py's rule)."""
+        if not self.factors[0]:
+            return [[0] * len(unit) for unit in parts]
+        sizes: dict[int, list[int]] = {}
+        for unit in parts:
+            for size, server in unit:
+                sizes.setdefault(server, []).append(size)
+        lanes = {server: iter([first + server * self.threads + t
+                               for t in ThreadBinding(self.threads).bind_new(of)])
+                 for server, of in sizes.items()}
+        return [[next(lanes[server]) for _, server in unit] for unit in parts]

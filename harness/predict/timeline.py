@@ -4,8 +4,8 @@ The simulator logs what happened when (`predict(..., log=)`): per iteration its 
 the forward's waits for updates and the per-layer updates (ByteScheduler), each unit
 from its issue to its end on the "comm" lane, and the use of each collective stream or,
 for PS, of each link and server (node_up, node_down, bus_up, bus_down, server<i>_in,
-server<i>_out). This writes them as harness/measure/traces.py's lanes, the last
-simulated iteration as the traced one, to
+server<i>_out, and its engine threads server<i>_engine<t>). This writes them as
+harness/measure/traces.py's lanes, the last simulated iteration as the traced one, to
 `<results_dir>/traces/<run_id>_<model>_<method>_w<workers>_<network>.trace.json`.
 """
 
@@ -27,8 +27,9 @@ def _order(lane: str) -> tuple:
     """Lanes after compute and comm: updates, the stream or node links, then the servers."""
     if lane in LINKS:
         return (LINKS.index(lane), 0, "")
-    server, _, way = lane.removeprefix("server").partition("_")
-    return (len(LINKS), int(server), way != "in")
+    server, _, way = lane.removeprefix("server").partition("_")  # in, out, engine<t>
+    return (len(LINKS), int(server), ("in", "out").index(way) if way in ("in", "out") else 2,
+            int(way.removeprefix("engine") or 0) if way.startswith("engine") else 0)
 
 
 def predict_traced(cfg: Config, compute: profile.Compute, net: Network, *,
