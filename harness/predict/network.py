@@ -96,6 +96,13 @@ def fitted_cost(net: Network, *, nodes: int, per_node: int) -> Cost:
 
 # -- communication: resources with a queue ---------------------------------------------------
 
+def stretched(start: float, seconds: float, until: float, slowdown: float) -> float:
+    """How long `seconds` of work starting at `start` takes when it runs 1 + `slowdown`
+    times slower until `until` and at full speed after."""
+    slow = (until - start) / (1 + slowdown)  # the work done before `until`
+    return seconds * (1 + slowdown) if seconds <= slow else until - start + seconds - slow
+
+
 class Collectives:
     """All-reduces run one at a time, in issue order (one communication stream).
 
@@ -103,13 +110,18 @@ class Collectives:
     moving `nbytes`, asked once per unit and size (every iteration moves the same). With
     a `cycle_s`, an all-reduce issued at t starts no earlier than the next multiple of
     it: Horovod's background loop negotiates the tensors that became ready once per
-    cycle, then runs them. While `log` is a list (simulate.trace), each all-reduce
-    appends (lane, unit, start, end) to it.
+    cycle, then runs them. With a `slowdown`, an all-reduce progresses 1 + slowdown
+    times slower while the GPU computes (until `busy_until`, which the iteration sets):
+    its kernels share the GPU with the compute's (calibrate.py fits it). While `log` is a
+    list (simulate.trace), each all-reduce appends (lane, unit, start, end) to it.
     """
 
-    def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0) -> None:
+    def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0,
+                 slowdown: float = 0.0) -> None:
         self.seconds = seconds
         self.cycle_s = cycle_s
+        self.slowdown = slowdown
+        self.busy_until = 0.0  # the GPU computes until then (set per iteration)
         self.free = 0.0
         self.busy_s = 0.0
         self.durations: dict[tuple[int, int], float] = {}
@@ -126,7 +138,10 @@ class Collectives:
             duration = self.durations[unit, nbytes] = self.seconds(unit, nbytes)
         if self.cycle_s:
             t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
-        self.free = (t if t > self.free else self.free) + duration
+        start = t if t > self.free else self.free
+        if self.slowdown and start < self.busy_until:
+            duration = stretched(start, duration, self.busy_until, self.slowdown)
+        self.free = start + duration
         self.busy_s += duration
         if self.log is not None:
             self.log.append(("collective", unit, self.free - duration, self.free))
@@ -156,10 +171,11 @@ class ParameterServers:
 
     def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
                  per_node: int, servers: int, local_reduce: bool,
-                 node_reduce: str = "scatter") -> None:
+                 node_reduce: str = "scatter", slowdown: float = 0.0) -> None:
         """`parts`: per unit, (bytes, server index) of each partition; `local_reduce`: a
-        node sums its workers' gradients and pushes once (BytePS)."""
-        self.net, self.servers = net, servers
+        node sums its workers' gradients and pushes once (BytePS); `slowdown`: the bus's
+        GPU work runs 1 + slowdown times slower while the GPU computes (as Collectives')."""
+        self.net, self.servers, self.slowdown, self.busy_until = net, servers, slowdown, 0.0
         sharing = per_node if local_reduce else 1  # workers that share a partition
         whole = sharing > 1 and node_reduce == "root"
         # bytes over the bus per byte of partition, each way, at half the rate: scatter,
@@ -195,7 +211,7 @@ class ParameterServers:
         """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
         (The queues of the class docstring, written out: the simulator's innermost loop.)"""
         done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
-        whole, log = self.whole[unit], self.log
+        whole, log, slowdown, until = self.whole[unit], self.log, self.slowdown, self.busy_until
         if whole:  # root: the unit reduced and on the host before the first push
             t = (t if t > free[2] else free[2]) + whole
             free[2] = done = t
@@ -203,11 +219,14 @@ class ParameterServers:
             if log is not None:
                 log.append((self.names[2], unit, t - whole, t))
         for bus, node, server, s_in, s_out in self.steps[unit]:
-            start = t
+            start, up_bus, down_bus = t, bus, bus
             if bus:  # bus up
-                start = (t if t > free[2] else free[2]) + bus
+                start = t if t > free[2] else free[2]
+                if slowdown and start < until:
+                    up_bus = stretched(start, bus, until, slowdown)
+                start += up_bus
                 free[2] = start
-                busy[2] += bus
+                busy[2] += up_bus
             up = (start if start > free[0] else free[0]) + node  # node up
             free[0] = up
             busy[0] += node
@@ -223,15 +242,18 @@ class ParameterServers:
             busy[1] += node
             pulled = (out if out > down else down) + alpha
             if bus:  # bus down
-                pulled = (pulled if pulled > free[3] else free[3]) + bus
+                pulled = pulled if pulled > free[3] else free[3]
+                if slowdown and pulled < until:
+                    down_bus = stretched(pulled, bus, until, slowdown)
+                pulled += down_bus
                 free[3] = pulled
-                busy[3] += bus
+                busy[3] += down_bus
             if pulled > done:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
                 log += [(self.names[i], unit, free[i] - spent, free[i])
-                        for i, spent in ((2, bus), (0, node), (s_in, server), (s_out, server),
-                                         (1, node), (3, bus)) if spent]
+                        for i, spent in ((2, up_bus), (0, node), (s_in, server),
+                                         (s_out, server), (1, node), (3, down_bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
             done = (done if done > free[3] else free[3]) + whole
             free[3] = done
