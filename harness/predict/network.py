@@ -183,6 +183,10 @@ class ParameterServers:
         # root's reduce (or broadcast) and its copy of the whole partition
         bus_share = 2 * ((sharing - 1) / sharing + net.ps_host_copy) if whole else \
             2 * ((sharing - 1) + net.ps_host_copy) / sharing
+        # of the bus's work, the share NCCL's kernels do (the rest is copies, which the
+        # GPU's copy engines make: not slowed beside compute)
+        nccl = (sharing - 1) / sharing
+        self.gpu_share = nccl / (nccl + net.ps_host_copy) if nccl else 0.0
         senders = nodes if local_reduce else nodes * per_node
         node_share = 1 if local_reduce else per_node
         # links by index: node up, node down, bus up, bus down, then each server's in, out
@@ -223,7 +227,7 @@ class ParameterServers:
             if bus:  # bus up
                 start = t if t > free[2] else free[2]
                 if slowdown and start < until:
-                    up_bus = stretched(start, bus, until, slowdown)
+                    up_bus = self._slowed(start, bus, until)
                 start += up_bus
                 free[2] = start
                 busy[2] += up_bus
@@ -244,7 +248,7 @@ class ParameterServers:
             if bus:  # bus down
                 pulled = pulled if pulled > free[3] else free[3]
                 if slowdown and pulled < until:
-                    down_bus = stretched(pulled, bus, until, slowdown)
+                    down_bus = self._slowed(pulled, bus, until)
                 pulled += down_bus
                 free[3] = pulled
                 busy[3] += down_bus
@@ -261,6 +265,12 @@ class ParameterServers:
             if log is not None:
                 log.append((self.names[3], unit, done - whole, done))
         return done
+
+    def _slowed(self, start: float, bus: float, until: float) -> float:
+        """A partition's `bus` seconds starting at `start`, its NCCL share slowed until
+        `until`, its copies not."""
+        gpu = bus * self.gpu_share
+        return stretched(start, gpu, until, self.slowdown) + bus - gpu
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
         """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""

@@ -163,7 +163,7 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
             log += [("compute", "forward", begin, start, {}),
                     ("compute", "backward", start, end, {})]
         started = [math.inf] * len(units)
-        comm.busy_until = end
+        comm.busy_until = end + compute.forward_s  # and, at best, the next forward
         done = issue(units, [ready[p] for p in last], comm, credit, cycle_s=cycle_s,
                      fusion=fusion, order=order, started=started,
                      negotiation_s=engine.negotiation_s)
