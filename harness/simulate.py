@@ -89,8 +89,9 @@ def main(argv: list[str]) -> int:
 
 def _calibrated(cfgs: list, given: Inputs, raw, fitted_on) -> tuple[dict, object]:
     """The fitted costs and the calibrated predictions (none and `raw` without cells to
-    fit on): the fit cells simulated at the slowdowns the fit tries, then the whole
-    sweep at each method's fitted one, with its linear costs added."""
+    fit on): the fit cells simulated at the slowdowns the fit tries (at 0: `raw`'s), then
+    the configurations of each slowed method again at its fitted one, with the linear
+    costs added."""
     if fitted_on is None:
         return {}, raw
     cells = set(zip(fitted_on.model, fitted_on.method, fitted_on.network, fitted_on.world_size))
@@ -99,14 +100,26 @@ def _calibrated(cfgs: list, given: Inputs, raw, fitted_on) -> tuple[dict, object
 
     def simulate_at(slowdown: float, methods: set[str]):
         mine = [i for i in chosen if cfgs[i].method.name in methods]
-        return predict_sweep([cfgs[i] for i in mine],
-                             Inputs(given.networks, [given.computes[i] for i in mine]),
-                             slowdown=dict.fromkeys(methods, slowdown))
+        if not slowdown:
+            return raw.iloc[mine]
+        return _again(cfgs, given, mine, dict.fromkeys(methods, slowdown))
 
     costs = calibrate.fit(simulate_at, fitted_on)
     slowdown = {m: c["slowdown"] for m, c in costs.items() if c["slowdown"]}
-    slowed = predict_sweep(cfgs, given, slowdown=slowdown) if slowdown else raw
+    slowed = raw.copy()
+    redo = [i for i, c in enumerate(cfgs) if c.method.name in slowdown]
+    if redo:  # the same rows (one shard, one run id), simulated slowed
+        again = _again(cfgs, given, redo, slowdown).set_axis(raw.index[redo])
+        again["run_id"] = raw.run_id.iloc[0]
+        slowed.loc[again.index] = again[raw.columns]
     return costs, calibrate.apply(slowed, costs)
+
+
+def _again(cfgs: list, given: Inputs, which: list[int], slowdown: dict[str, float]):
+    """The configurations `which` (indices into `cfgs`) predicted at `slowdown`."""
+    return predict_sweep([cfgs[i] for i in which],
+                         Inputs(given.networks, [given.computes[i] for i in which]),
+                         slowdown=slowdown)
 
 
 if __name__ == "__main__":
