@@ -48,8 +48,9 @@ import sys
 
 from harness import config
 from harness.config import checks, paths, usage
+from harness.config.ranks import num_workers
 from harness.predict import calibrate
-from harness.predict.sweep import predict_sweep, write
+from harness.predict.sweep import Inputs, inputs, predict_sweep, write
 
 MAX_TRACES = 64  # simulate.trace: a file per configuration
 
@@ -75,9 +76,9 @@ def main(argv: list[str]) -> int:
                     if sim.calibrate else None)
         fitted_on = (calibrate.fit_cells(measured, sim.calibrate_gpus)
                      if measured is not None else measured)
-        raw = predict_sweep(cfgs)
-        costs = calibrate.fit(raw, fitted_on) if fitted_on is not None else {}
-        frame = calibrate.apply(raw, costs)
+        given = inputs(cfgs)
+        raw = predict_sweep(cfgs, given)
+        costs, frame = _calibrated(cfgs, given, raw, fitted_on)
         write(frame, raw, costs, cfgs[0].results_dir)
         if costs:
             print(calibrate.describe(costs, fitted_on, list(raw.method)))
@@ -97,6 +98,41 @@ def main(argv: list[str]) -> int:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _calibrated(cfgs: list, given: Inputs, raw, fitted_on) -> tuple[dict, object]:
+    """The fitted costs and the calibrated predictions (none and `raw` without cells to
+    fit on): the fit cells simulated at the slowdowns the fit tries (at 0: `raw`'s), then
+    the configurations of each slowed method again at its fitted one, with the linear
+    costs added."""
+    if fitted_on is None:
+        return {}, raw
+    cells = set(zip(fitted_on.model, fitted_on.method, fitted_on.network, fitted_on.world_size))
+    chosen = [i for i, c in enumerate(cfgs)
+              if (c.model.name, c.method.name, c.network.name, num_workers(c)) in cells]
+
+    def simulate_at(slowdown: float, methods: set[str]):
+        mine = [i for i in chosen if cfgs[i].method.name in methods]
+        if not slowdown:
+            return raw.iloc[mine]
+        return _again(cfgs, given, mine, dict.fromkeys(methods, slowdown))
+
+    costs = calibrate.fit(simulate_at, fitted_on)
+    slowdown = {m: c["slowdown"] for m, c in costs.items() if c["slowdown"]}
+    slowed = raw.copy()
+    redo = [i for i, c in enumerate(cfgs) if c.method.name in slowdown]
+    if redo:  # the same rows (one shard, one run id), simulated slowed
+        again = _again(cfgs, given, redo, slowdown).set_axis(raw.index[redo])
+        again["run_id"] = raw.run_id.iloc[0]
+        slowed.loc[again.index] = again[raw.columns]
+    return costs, calibrate.apply(slowed, costs)
+
+
+def _again(cfgs: list, given: Inputs, which: list[int], slowdown: dict[str, float]):
+    """The configurations `which` (indices into `cfgs`) predicted at `slowdown`."""
+    return predict_sweep([cfgs[i] for i in which],
+                         Inputs(given.networks, [given.computes[i] for i in which]),
+                         slowdown=slowdown)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from harness.predict import calibrate, model, sweep
 from tests.conftest import STUDY, run_module
-from tests.test_simulate import ALPHA, BETA, cfg, compute, net
+from tests.test_simulate import cfg, compute, net
 
 NONE = {t.name: 0.0 for t in calibrate.TERMS}
 
@@ -36,15 +36,18 @@ def test_one_message_and_the_host_add_their_cost_once() -> None:
         raw.iteration_s[0])
 
 
-def test_overlap_loss_costs_a_share_of_the_hidden_all_reduce() -> None:
-    # the output-side tensor's all-reduce hides in the 0.5 s of backward left; the other's
-    # is exposed: hidden_s is the first all-reduce, and overlap_loss pays a share of it
-    raw = predicted((cfg("wfbp_a2a", "cluster.workers_per_node=2"),
-                     compute([1_000_000, 10_000], [0.0004, 0.5])))
-    hidden = 2 * ALPHA + BETA * 4_000_000
-    assert raw.hidden_s[0] == pytest.approx(hidden) and raw.messages[0] == 2
-    out = calibrate.apply(raw, {"wfbp_a2a": {**NONE, "overlap_loss": 0.5}})
-    assert out.iteration_s[0] == pytest.approx(raw.iteration_s[0] + 0.5 * hidden)
+def test_the_slowdown_is_simulated_and_the_linear_costs_added_to_it() -> None:
+    # apply adds message_s and host_s to the prediction it is given; the slowdown is in
+    # that prediction already (model.predict's, at the method's fitted slowdown)
+    c = compute([1_000_000, 10_000], [0.5, 0.01])
+    two = cfg("wfbp_a2a", "cluster.workers_per_node=2")
+    slowed = pd.DataFrame([sweep.row(two, model.predict(two, c, net(), slowdown=1.0), c,
+                                     run_id="t")])
+    raw = predicted((two, c))
+    assert slowed.iteration_s[0] == pytest.approx(raw.iteration_s[0] + 0.005)
+    out = calibrate.apply(slowed, {"wfbp_a2a": {"slowdown": 1.0, "message_s": 0.001,
+                                                "host_s": 0.0}})
+    assert out.iteration_s[0] == pytest.approx(slowed.iteration_s[0] + 2 * 0.001)
 
 
 def test_one_partition_is_one_message_of_a_ps_method() -> None:
@@ -54,26 +57,60 @@ def test_one_partition_is_one_message_of_a_ps_method() -> None:
     assert out.iteration_s[0] == pytest.approx(raw.iteration_s[0] + 0.003)
 
 
-def _cells(method: str) -> pd.DataFrame:
-    """Four cells of one method whose hidden time, messages and size all differ."""
-    return predicted(*[(cfg(method, f"cluster.nodes={i + 1}"),
-                        compute([2_000_000 // i] * (3 * i), [0.05] * (3 * i)))
-                       for i in (1, 2, 3, 4)])
+def _cases(method: str) -> list:
+    """Four cells of one method whose hidden time, messages and size all differ: the
+    first hides its communication even slowed, the others expose a part of it."""
+    return [(cfg(method, "cluster.nodes=2"), compute([1_000_000, 10_000], [0.0004, 0.5])),
+            (cfg(method, "cluster.nodes=3"), compute([1_000_000, 10_000], [0.5, 0.01])),
+            (cfg(method, "cluster.nodes=4"), compute([500_000] * 4, [0.01] * 4)),
+            (cfg(method, "cluster.nodes=5"), compute([2_000_000] * 3, [0.1, 0.02, 0.02]))]
+
+
+def _at(cases: list):
+    """simulate_at for calibrate.fit: the cases predicted at a slowdown, with the
+    number of times it was asked."""
+    asked = []
+
+    def simulate_at(slowdown: float, methods: set[str]) -> pd.DataFrame:
+        asked.append(slowdown)
+        return pd.DataFrame([sweep.row(c, model.predict(c, comp, net(), slowdown=slowdown), comp,
+                                       run_id="t") for c, comp in cases
+                             if c.method.name in methods])
+    return simulate_at, asked
 
 
 def test_a_fit_recovers_known_costs_from_simulated_measurements() -> None:
-    raw = _cells("wfbp_a2a")
-    assert raw.hidden_s.nunique() == raw.messages.nunique() == 4
-    known = {"wfbp_a2a": {"overlap_loss": 0.3, "message_s": 0.0015, "host_s": 0.02}}
-    measured = calibrate.apply(raw, known).rename(columns={"throughput": "throughput_mean"})
-    fitted = calibrate.fit(raw, measured[[*calibrate.CELL, "throughput_mean"]])
+    cases = _cases("wfbp_a2a")
+    simulate_at, asked = _at(cases)
+    raw = simulate_at(0.0, {"wfbp_a2a"})
+    assert raw.hidden_s.nunique() == 4 and raw.messages.nunique() == 3 and (raw.hidden_s > 0).all()
+    known = {"wfbp_a2a": {"slowdown": 1.5, "message_s": 0.0015, "host_s": 0.02}}
+    measured = calibrate.apply(simulate_at(1.5, {"wfbp_a2a"}), known).rename(
+        columns={"throughput": "throughput_mean"})[[*calibrate.CELL, "throughput_mean"]]
+    asked.clear()
+    fitted = calibrate.fit(simulate_at, measured)
     assert fitted["wfbp_a2a"] == pytest.approx(known["wfbp_a2a"], rel=1e-6, abs=1e-9)
+    # 0, every other candidate (0.5 to 3), then the two beside the best: 1.25 and 1.75
+    assert asked == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 1.25, 1.75]
     # a cost beyond its bound is held there, the others fit what is left
     known["wfbp_a2a"]["message_s"] = 0.02
-    measured = calibrate.apply(raw, known).rename(columns={"throughput": "throughput_mean"})
-    fitted = calibrate.fit(raw, measured[[*calibrate.CELL, "throughput_mean"]])["wfbp_a2a"]
+    measured = calibrate.apply(simulate_at(1.5, {"wfbp_a2a"}), known).rename(
+        columns={"throughput": "throughput_mean"})[[*calibrate.CELL, "throughput_mean"]]
+    fitted = calibrate.fit(simulate_at, measured)["wfbp_a2a"]
     assert fitted["message_s"] == 0.005
-    assert 0 <= fitted["overlap_loss"] <= 1 and 0 <= fitted["host_s"] <= 0.5
+    assert 0 <= fitted["slowdown"] <= 3 and 0 <= fitted["host_s"] <= 0.5
+
+
+def test_a_method_that_hides_nothing_is_not_slowed() -> None:
+    # BSP all-reduces after the backward: no slowdown is tried, only the linear costs fit
+    cases = [(cfg("bsp_a2a", f"cluster.nodes={n}"), compute([1_000_000], [0.1])) for n in (2, 4)]
+    simulate_at, asked = _at(cases)
+    known = {"bsp_a2a": {"slowdown": 0.0, "message_s": 0.0, "host_s": 0.03}}
+    measured = calibrate.apply(simulate_at(0.0, {"bsp_a2a"}), known).rename(
+        columns={"throughput": "throughput_mean"})[[*calibrate.CELL, "throughput_mean"]]
+    asked.clear()
+    assert calibrate.fit(simulate_at, measured)["bsp_a2a"] == pytest.approx(known["bsp_a2a"])
+    assert asked == [0.0]
 
 
 def test_the_fit_cells_default_to_one_node() -> None:
@@ -118,24 +155,30 @@ def _figures(stdout: str, kind: str) -> dict[str, float]:
 def test_fitted_on_one_node_the_study_is_predicted_on_the_others(tmp_path) -> None:
     """Issue 15's targets on ib100_rdma: fitted on the 21 cells at 4 GPUs, validated on
     the 63 at 8-32; the other networks from their facts and the same costs."""
+    # every optimizer of the study stepped without weight decay (transformers' AdamW by
+    # default too, mgwfbp/bert_benchmark.py), as the 1-GPU baselines of simulate.gpus did
     out = run_module("harness.simulate", "experiment=paper",
                      "network=ib100_rdma,eth100_tcp,eth10_tcp", "simulate.calibrate=study",
-                     "simulate.advise=true", f"results_dir={tmp_path}")
+                     "simulate.advise=true", "model.optimizer.weight_decay=0.0",
+                     f"results_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     assert "calibrated on 21 measured cells (bert_base at 4 GPUs, bert_large at 4 GPUs, " \
            "resnet50 at 4 GPUs)" in out.stdout
     raw, fitted = _figures(out.stdout, "uncalibrated"), _figures(out.stdout, "calibrated")
     assert raw["cells"] == fitted["cells"] == 63
-    assert fitted["median_abs_pct_error"] <= 5.0
+    # issue 39's median target (4%); its tau target (0.75) is not reached: main's 0.70
+    assert fitted["median_abs_pct_error"] <= 4.0
     assert fitted["mean_kendall_tau"] >= 0.7
     assert raw["median_abs_pct_error"] > fitted["median_abs_pct_error"]
-    # and the uncalibrated model does not regress (6.1% and 0.47 on all 84 cells)
-    assert raw["median_abs_pct_error"] <= 10.0 and raw["mean_kendall_tau"] >= 0.43
+    # and the uncalibrated model does not regress (6.5% and 0.41 held out; 6.0% and 0.42
+    # before the study's engines, 5.1% and 0.47 before its optimizers: harness/predict/
+    # README.md says which fact moved it)
+    assert raw["median_abs_pct_error"] <= 7.0 and raw["mean_kendall_tau"] >= 0.40
     # the shard keeps each method's fitted costs and the uncalibrated throughput
     frame = pd.read_parquet(next(tmp_path.glob("sim-*.parquet")))
     assert len(frame) == 3 * 87
     plans = frame.plan_json.map(json.loads)
-    assert all(set(p["calibration"]) == {t.name for t in calibrate.TERMS} for p in plans)
+    assert all(set(p["calibration"]) == set(calibrate.FITTED) for p in plans)
     # MG-WFBP merged on the study's table (experiment=paper sets simulate.mgwfbp_cost)
     assert set(plans[frame.method == "mgwfbp"].map(lambda p: p["cost"])) == {"study"}
     # a slower network never predicts more throughput than a faster one

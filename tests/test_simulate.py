@@ -3,6 +3,7 @@ against the study)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from harness import config
 from harness.measure import results
-from harness.predict import model, network, sweep
+from harness.predict import engines, model, network, priority, sweep
 from harness.predict.profile import Compute
 from methods.costmodel import Cost
 from methods.plan import PerTensor
@@ -217,7 +218,8 @@ class _Line:
 
 @pytest.mark.parametrize(("network_name", "gpus", "alpha", "beta"), [
     ("ib100_rdma", 16, 7.075e-4, 4.059e-10), ("eth10_tcp", 16, 9.081e-4, 7.396e-10),
-    ("eth100_tcp", 8, 5.230e-4, 8.571e-10)])
+    # the study's 100GbE runs passed --rdma: they merged on the IB table
+    ("eth100_tcp", 8, 9.754e-5, 3.057e-10)])
 def test_mgwfbp_cost_study_reads_the_studys_table(network_name, gpus, alpha, beta) -> None:
     c = compute([8192] * 6, [0.01] * 6)
     shape = (f"cluster.nodes={gpus // 4}", "cluster.workers_per_node=4", "run.force=true")
@@ -284,11 +286,11 @@ def test_bytescheduler_issues_while_credit_is_left_and_fuses_one_cycle() -> None
     units = PerTensor().plan([16, 16, 16])
     # credit 20: two 16-element pieces go at once (credit plus one), the third when one is back
     line = _Line()
-    assert model._priority(units, [0.0] * 3, line, 20) == [3.0, 2.0, 1.0]  # input first
+    assert priority.issue(units, [0.0] * 3, line, 20) == [3.0, 2.0, 1.0]  # input first
     assert [t for _, _, t in line.calls] == [0.0, 0.0, 1.0]
     # a 0.5 s cycle and room to fuse: all three start together at the first tick, as one
     line = _Line()
-    done = model._priority(units, [0.1] * 3, line, 100, cycle_s=0.5, fusion=48)
+    done = priority.issue(units, [0.1] * 3, line, 100, cycle_s=0.5, fusion=48)
     assert done == [1.5] * 3 and line.calls == [(2, 48 * 4, 0.5)]
 
 
@@ -385,3 +387,103 @@ def test_the_cache_keeps_a_result_and_a_cache_it_cannot_write_is_no_error(tmp_pa
     (tmp_path / "file").write_text("")  # a file where the cache folder would go
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     assert cache.cached("t", [1], make) == {"x": 1} and len(calls) == 2
+
+
+# -- the study's engines (harness/predict/engines.py) -------------------------------------
+
+POLL = 0.001  # conf/bench.yaml simulate.engines.handle_poll_s
+
+
+def test_the_study_engines_step_wakes_half_a_poll_after_its_last_handle() -> None:
+    # BytePS and Horovod's WaitAndClear sleep 1 ms between polls: on average the step
+    # starts half a poll after the all-reduce is done; our native engine has no such poll
+    c = compute([1_000_000], [0.2])
+    two = "cluster.workers_per_node=2"
+    native = model.predict(cfg("bsp_a2a", two), c, net()).iteration_s
+    horovod = model.predict(cfg("bsp_a2a", two, "engine=horovod"), c, net()).iteration_s
+    assert native == pytest.approx(c.total_s + 2 * ALPHA + BETA * 4_000_000)
+    assert horovod == pytest.approx(native + POLL / 2)
+    # ByteScheduler's step waits on no handle (its poller thread spins)
+    assert engines.engine_of(cfg("bytescheduler_a2a", two, "engine=horovod"),
+                             PerTensor().plan([10]), [10], byte_s=0.0, net=net()).poll_s == 0
+
+
+def test_the_engines_copies_and_divisions_run_on_the_compute_stream() -> None:
+    # BSP-A2A on Horovod: the study's optimizer copies each gradient into the fused buffer
+    # in its hook (8 bytes moved per element, during the backward), and Horovod divides
+    # the reduced buffer by the worker count on the compute stream; the step, launched
+    # half a poll after the all-reduce, queues behind the division
+    byte_s = 1e-9
+    c = dataclasses.replace(compute([1_000_000, 2_000_000], [0.1, 0.1]), byte_s=byte_s)
+    two = ("cluster.workers_per_node=2", "engine=horovod")
+    copy = 8 * 3_000_000 * byte_s  # both tensors copied into the one buffer
+    divide = 8 * 3_000_000 * byte_s
+    allreduce = 2 * ALPHA + BETA * 12_000_000
+    pred = model.predict(cfg("bsp_a2a", *two), c, net())
+    assert pred.iteration_s == pytest.approx(c.total_s + copy + allreduce + divide)
+    assert divide > POLL / 2
+    # WFBP all-reduces each tensor alone: nothing to copy, a division per tensor; the
+    # output-side tensor's all-reduce and division hide in the 0.1 s of backward left
+    wfbp = model.predict(cfg("wfbp_a2a", *two), c, net())
+    last = 2 * ALPHA + BETA * 8_000_000
+    assert wfbp.iteration_s == pytest.approx(c.total_s + last + 8 * 2_000_000 * byte_s)
+
+
+def test_horovods_negotiation_is_one_round_of_gathers_and_broadcasts() -> None:
+    # 8 workers on 2 nodes: log2(8) = 3 tree levels of the inter-node start-up, per
+    # collective; the cache off: a Gather, a Gatherv and two Bcasts; on: one Allreduce
+    shape = ("cluster.nodes=2", "cluster.workers_per_node=4", "engine=horovod")
+    off = cfg("bytescheduler_a2a", *shape, "method.horovod.cache_capacity=0")
+    on = cfg("bytescheduler_a2a", *shape)
+    assert engines.negotiation_s(off, net()) == pytest.approx(4 * 3 * ALPHA)
+    assert engines.negotiation_s(on, net()) == pytest.approx(2 * 3 * ALPHA)
+
+
+def test_bytescheduler_updates_wait_for_the_poller_and_share_the_compute_stream() -> None:
+    # one tensor, one layer, 2 nodes: its all-reduce (A) starts at the end of backward;
+    # the poller launches its hand-written SGD update h after it (2 ops and a loop over one
+    # parameter), the next forward waits for that launch, and the update's 10 ms run on
+    # the compute stream before the forward: each iteration is compute + A + h
+    c = compute([1_000_000], [0.05])
+    shape = ("cluster.nodes=2", "engine=horovod", "method.scheduler.cycle_s=0",
+             "method.horovod.cycle_time_s=0", "model.optimizer.name=sgd")
+    a = 2 * ALPHA + BETA * 4_000_000
+    h = 2 * 1e-5 + 1 * 1.4e-6  # update_ops[sgd] x op_launch_s + scan_s
+    for clock in ("false", "device"):
+        pred = model.predict(cfg("bytescheduler_a2a", *shape, f"run.sync_each_step={clock}"),
+                             c, net())
+        assert pred.iteration_s == pytest.approx(c.total_s + a + h), clock
+    # our native engine's ByteScheduler has no hand-written updates: no h
+    native = model.predict(cfg("bytescheduler_a2a", *shape[:1], *shape[2:]), c, net())
+    assert native.iteration_s == pytest.approx(c.total_s + a)
+
+
+def test_a_slowdown_stretches_communication_only_while_the_gpu_computes() -> None:
+    # a 1 s all-reduce starting 0.5 s before the end of the compute, slowed 2x meanwhile:
+    # 0.25 s of it done by then, the remaining 0.75 s at full speed
+    assert network.stretched(0.0, 1.0, 0.5, 1.0) == pytest.approx(1.25)
+    assert network.stretched(0.0, 0.2, 0.5, 1.0) == pytest.approx(0.4)  # all of it slowed
+    # WFBP: the output-side tensor's all-reduce (~42 ms) hides in 0.5 s of backward even
+    # slowed 3x; the input-side one starts after backward: unchanged either way
+    c = compute([1_000_000, 10_000], [0.0004, 0.5])
+    two = cfg("wfbp_a2a", "cluster.workers_per_node=2")
+    assert model.predict(two, c, net(), slowdown=2.0).iteration_s == pytest.approx(
+        model.predict(two, c, net()).iteration_s)
+    # BSP's one all-reduce runs after the backward: never slowed
+    bsp = cfg("bsp_a2a", "cluster.workers_per_node=2")
+    assert model.predict(bsp, c, net(), slowdown=2.0).iteration_s == pytest.approx(
+        model.predict(bsp, c, net()).iteration_s)
+    # a tensor whose all-reduce (2 ms + 40 ms) starts 10 ms before the end of backward,
+    # slowed 2x: 5 ms of it done by then, 37 ms after
+    late = compute([1_000_000, 10_000], [0.5, 0.01])
+    slowed = model.predict(two, late, net(), slowdown=1.0).iteration_s
+    assert slowed - model.predict(two, late, net()).iteration_s == pytest.approx(0.005)
+
+
+def test_the_simulated_rows_carry_both_rate_statistics() -> None:
+    # every simulated iteration of the steady state is alike: the study's mean of 10-step
+    # rates on rank 0 equals the window's rate
+    c = compute([1_000_000], [0.2])
+    one = cfg("bsp_a2a", "cluster.workers_per_node=2", "run.rate=study")
+    r = sweep.row(one, model.predict(one, c, net()), c, run_id="t")
+    assert r["throughput"] == r["throughput_window"] == r["throughput_study"] > 0

@@ -169,6 +169,7 @@ class SimulateConf:
     flop_per_byte: dict[str, Any] = field(default_factory=dict)  # GPU -> FLOP/s per byte/s
     # model -> the optimizer its `gpus` throughputs were measured with (others: the model's)
     gpus_optimizer: dict[str, Any] = field(default_factory=dict)
+    engines: dict[str, Any] = field(default_factory=dict)  # the study's engines' host facts
     mgwfbp_cost: str | None = None  # MG-WFBP's cost when simulated; null: method.planner.cost
     profile_iters: int = 5
     iterations: int = 6

@@ -5,15 +5,13 @@ network's queued resources (harness/predict/network.py)."""
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import math
 from dataclasses import dataclass
 
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.config.schema import step_ending
-from harness.predict import profile
+from harness.predict import engines, priority, profile
 from harness.predict.network import (
     ELEMENT_SIZE,
     Collectives,
@@ -22,7 +20,7 @@ from harness.predict.network import (
     allreduce_s,
 )
 from harness.predict.plans import Tensors, mgwfbp_cost, plan_of, tensors
-from methods.plan import Unit, credit_in_elements, fuse_pieces
+from methods.plan import Unit, credit_in_elements
 
 # -- one configuration -------------------------------------------------------------------
 
@@ -44,11 +42,13 @@ def _credit(scheduler: Config) -> int:
 
 
 def predict(cfg: Config, compute: profile.Compute, net: Network, *,
-            log: list | None = None) -> Prediction:
+            log: list | None = None, slowdown: float = 0.0) -> Prediction:
     """Simulate `simulate.iterations` iterations of one configuration; steady-state time.
     With a `log` list (simulate.trace, harness/predict/timeline.py), what happened when
     is appended to it: (lane, name, start, end, args) of each phase, wait, update, unit
-    (lane "comm", from its issue to its end) and link use."""
+    (lane "comm", from its issue to its end) and link use. `slowdown`: the GPU's
+    communication work runs 1 + slowdown times slower while it computes (a calibrated
+    cost, harness/predict/calibrate.py; 0 uncalibrated)."""
     nodes, per_node = cfg.cluster.nodes, cfg.cluster.workers_per_node
     workers, method = num_workers(cfg), cfg.method
 
@@ -69,22 +69,24 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
                                       for ps in planned.parts], nodes, per_node,
                                 planned.servers, method.transport.get("local_reduce", True),
                                 method.transport.get("node_reduce", "scatter"),
-                                method.transport.get("engine_threads", 1))
+                                method.transport.get("engine_threads", 1), slowdown)
     elif method.transport.name == "ps":  # one node, no servers: each partition all-reduced
         comm = Collectives(lambda u, _: sum(collective(u, p.numel * ELEMENT_SIZE)
-                                            for p in planned.parts[u]))
+                                            for p in planned.parts[u]), slowdown=slowdown)
     else:
         # the study's all-reduce methods ran on Horovod, each with its own cycle (0 for all
         # but ByteScheduler's, whose pieces round to the scheduler's); DDP has none
         horovod = method.transport.name != "ddp" and not cycle_s
-        comm = Collectives(collective, float(method.horovod.cycle_time_s) if horovod else 0.0)
+        comm = Collectives(collective, float(method.horovod.cycle_time_s) if horovod else 0.0,
+                           slowdown)
     credit = _credit(sched) if kind == "priority" else 0
     fusion = (sched.get("fusion_bytes") or 0) // ELEMENT_SIZE if kind == "priority" else 0
     if log is not None:
         _log_units(comm, units, model.names, log)
+    engine = engines.engine_of(cfg, units, compute.sizes, byte_s=compute.byte_s, net=net)
     ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
                     fusion=fusion, iterations=cfg.simulate.iterations,
-                    ending=step_ending(cfg.run), log=log)
+                    ending=step_ending(cfg.run), engine=engine, log=log)
     steady = ends[1:] if len(ends) > 2 else ends
     iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
     exposed = max(0.0, iteration - compute.total_s)
@@ -123,151 +125,48 @@ def _log_units(comm, units: list[Unit], names: list[str], log: list) -> None:
 
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
              cycle_s: float, fusion: int, iterations: int, ending: str = "false",
-             log: list | None = None) -> list[float]:
-    """The end of each iteration (its last update), simulated one after another.
-    `ending` (run.sync_each_step) matters where communication outlives the step, under
-    ByteScheduler (every other method's step waits for its communication anyway): with
-    `drain` each step ends once its communication and updates are done, so none of them
-    overlaps the next forward; with `device` (the study's torch.cuda.synchronize() at
-    the step's end, the end of backward) it waits for the pieces already started, not
-    for those held back by credit or a cycle. `log`: see `predict` (an iteration spans
-    from its forward to the next one's)."""
-    backward_ready = list(itertools.accumulate(compute.backward_s))
+             engine: engines.Engine = engines.NONE, log: list | None = None) -> list[float]:
+    """The end of each iteration, simulated one after another. ByteScheduler's
+    (`kind="priority"`) is harness/predict/priority.py's; every other method's step
+    waits for its communication: each unit goes when ready (or after backward), the
+    engine's divisions run on the compute stream once their unit is done, the training
+    thread wakes half a poll period after the last unit (`engine`) and launches the
+    optimizer step. `ending` (run.sync_each_step) changes nothing for them. `log`: see
+    `predict` (an iteration spans from its forward to the next one's)."""
+    if kind == "priority":
+        return priority.iterate(compute, units, comm, credit=credit, cycle_s=cycle_s,
+                                fusion=fusion, iterations=iterations, ending=ending,
+                                engine=engine, log=log)
+    backward = compute.backward_s
+    if engine.copy_s:  # the merged groups' copies run in the hooks, on the compute stream
+        backward = [b + c for b, c in zip(backward, engine.copy_s)]
+    backward_ready = list(itertools.accumulate(backward))
     nbytes = [u.numel * ELEMENT_SIZE for u in units]
-    layers = max(compute.layer_of) + 1
-    layer_done = [0.0] * layers  # when each layer's last update of the previous iteration is in
-    layer_share = [0.0] * layers
-    total = sum(compute.sizes)
-    for i, n in enumerate(compute.sizes):
-        layer_share[compute.layer_of[i]] += compute.update_s * n / total
-    unit_layer = [compute.layer_of[u.params[0]] for u in units]
     last = [u.params[-1] for u in units]  # a unit is ready with its last tensor
-    update_s = compute.update_s
-    keys = _keys(units) if kind == "priority" else None
-    t, ends = 0.0, []
+    update_s, t, ends = compute.update_s, 0.0, []
     for it in range(iterations):
         begin = t
-        for needs, seconds in compute.forward:
-            if kind == "priority":  # the next forward waits only for its own layers
-                for layer in needs:
-                    if layer_done[layer] > t:
-                        if log is not None:
-                            log.append(("compute", "wait: update", t, layer_done[layer], {}))
-                        t = layer_done[layer]
-            t += seconds
+        t += compute.forward_s
         ready = [t + r for r in backward_ready]
         end_of_backward = ready[-1]
-        if log is not None:
-            log += [("compute", "forward", begin, t, {}),
-                    ("compute", "backward", t, end_of_backward, {})]
         if kind == "after_backward":
             unit_ready = [end_of_backward] * len(units)
         else:
             unit_ready = [ready[p] for p in last]  # ready times never decrease
-        if kind == "priority":
-            started = [math.inf] * len(units)
-            done = _priority(units, unit_ready, comm, credit, cycle_s=cycle_s, fusion=fusion,
-                             keys=keys, started=started)
-            updated = [0.0] * layers
-            for layer, finish in zip(unit_layer, done):
-                if finish > updated[layer]:
-                    updated[layer] = finish
-            free = end_of_backward  # one thread applies the layers' updates as they come in
-            for layer in sorted(range(layers), key=updated.__getitem__):
-                free = (free if free > updated[layer] else updated[layer]) + layer_share[layer]
-                layer_done[layer] = free
-                if log is not None:
-                    log.append(("updates", f"update layer {layer}", free - layer_share[layer],
-                                free, {}))
-            t = end_of_backward
-            if ending == "drain":
-                t = max(layer_done)
-            elif ending == "device":  # the GPU work queued by then: pieces started
-                t = max([t, *(f for s, f in zip(started, done) if s <= end_of_backward)])
-                if log is not None and t > end_of_backward:
-                    log.append(("compute", "synchronize", end_of_backward, t, {}))
-            ends.append(max(layer_done))
-        else:
-            done = comm.issue_all(nbytes, unit_ready)
-            t = max([end_of_backward, *done]) + update_s
-            ends.append(t)
-            if log is not None:
-                log += [("compute", "synchronize", end_of_backward, t - update_s, {}),
-                        ("compute", "update", t - update_s, t, {})]
+        comm.busy_until = end_of_backward
+        done = comm.issue_all(nbytes, unit_ready)
+        stream = end_of_backward
+        for finish, seconds in sorted(zip(done, engine.divide_s)):
+            stream = (stream if stream > finish else finish) + seconds
+        woken = max([end_of_backward, *done]) + engine.poll_s / 2
+        t = max(stream, woken) + update_s
+        ends.append(t)
         if log is not None:
-            log.append(("compute", "traced iteration" if it == iterations - 1 else
-                        f"iteration {it + 1}", begin, t, {}))
+            log += [("compute", "forward", begin, end_of_backward - backward_ready[-1], {}),
+                    ("compute", "backward", end_of_backward - backward_ready[-1],
+                     end_of_backward, {}),
+                    ("compute", "synchronize", end_of_backward, t - update_s, {}),
+                    ("compute", "update", t - update_s, t, {}),
+                    ("compute", "traced iteration" if it == iterations - 1 else
+                     f"iteration {it + 1}", begin, t, {})]
     return ends
-
-
-def _keys(units: list[Unit]) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """Each unit's elements, and its place in the priority queue (input side first)."""
-    return [u.numel for u in units], [(-u.params[0], u.start, i) for i, u in enumerate(units)]
-
-
-def _priority(units: list[Unit], ready: list[float], comm, credit: int, *,
-              cycle_s: float = 0.0, fusion: int = 0,
-              keys: tuple[list[int], list[tuple[int, int, int]]] | None = None,
-              started: list[float] | None = None) -> list[float]:
-    """ByteScheduler: the highest-priority ready units (input side first) go while any
-    of `credit` elements is left, each alone; with `cycle_s`, those of one cycle start
-    at its end, consecutive ones fused up to `fusion` elements (Priority._issue).
-    Returns each unit's finish (`keys`: `_keys(units)`, when the caller has them), and
-    writes each unit's start into `started` when given. An
-    event loop over arrivals, completions and cycle ticks, written for speed: the
-    simulator spends most of its time here."""
-    n = len(units)
-    numel, order = keys or _keys(units)
-    done = [0.0] * n
-    arrivals = sorted(range(n), key=ready.__getitem__)  # stable: ties in unit order
-    arrive = [ready[u] for u in arrivals]
-    queue: list[tuple[int, int, int]] = []  # (-tensor index: input side first, start, unit)
-    flight: list[tuple[float, int]] = []    # (finish, elements)
-    batch: list[int] = []
-    push, pop, issue = heapq.heappush, heapq.heappop, comm.issue
-    used, now, nxt, tick = 0, 0.0, 0, 0.0
-    while nxt < n or queue or batch:
-        while nxt < n and arrive[nxt] <= now:
-            push(queue, order[arrivals[nxt]])
-            nxt += 1
-        while flight and flight[0][0] <= now:
-            used -= pop(flight)[1]
-        if not cycle_s and queue and used < credit:  # each goes alone, now
-            soonest = math.inf
-            while queue and used < credit:
-                u = pop(queue)[2]
-                used += numel[u]
-                done[u] = finish = issue(u, numel[u] * ELEMENT_SIZE, now)
-                if started is not None:
-                    started[u] = now
-                push(flight, (finish, numel[u]))
-                soonest = min(soonest, finish)
-            if soonest <= now:  # one is back already (it moved nothing): its credit is free
-                continue
-        while queue and used < credit:  # a cycle: the pieces wait for its tick, together
-            if not batch:
-                tick = math.ceil(now / cycle_s - 1e-9) * cycle_s
-            batch.append(pop(queue)[2])
-            used += numel[batch[-1]]
-        if batch and now >= tick:
-            for group in fuse_pieces([numel[u] for u in batch], fusion):
-                members = [batch[i] for i in group]
-                elements = sum(numel[u] for u in members)
-                finish = issue(members[0], elements * ELEMENT_SIZE, tick)
-                for u in members:
-                    done[u] = finish
-                    if started is not None:
-                        started[u] = tick
-                push(flight, (finish, elements))
-            batch = []
-            continue
-        event = arrive[nxt] if nxt < n else math.inf  # the next arrival, completion or tick
-        if queue and flight and flight[0][0] < event:
-            event = flight[0][0]
-        if batch and tick < event:
-            event = tick
-        if event == math.inf:
-            break
-        if event > now:
-            now = event
-    return done

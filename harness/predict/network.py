@@ -107,6 +107,13 @@ def fitted_cost(net: Network, *, nodes: int, per_node: int) -> Cost:
 
 # -- communication: resources with a queue ---------------------------------------------------
 
+def stretched(start: float, seconds: float, until: float, slowdown: float) -> float:
+    """How long `seconds` of work starting at `start` takes when it runs 1 + `slowdown`
+    times slower until `until` and at full speed after."""
+    slow = (until - start) / (1 + slowdown)  # the work done before `until`
+    return seconds * (1 + slowdown) if seconds <= slow else until - start + seconds - slow
+
+
 class Collectives:
     """All-reduces run one at a time, in issue order (one communication stream).
 
@@ -114,13 +121,18 @@ class Collectives:
     moving `nbytes`, asked once per unit and size (every iteration moves the same). With
     a `cycle_s`, an all-reduce issued at t starts no earlier than the next multiple of
     it: Horovod's background loop negotiates the tensors that became ready once per
-    cycle, then runs them. While `log` is a list (simulate.trace), each all-reduce
-    appends (lane, unit, start, end) to it.
+    cycle, then runs them. With a `slowdown`, an all-reduce progresses 1 + slowdown
+    times slower while the GPU computes (until `busy_until`, which the iteration sets):
+    its kernels share the GPU with the compute's (calibrate.py fits it). While `log` is a
+    list (simulate.trace), each all-reduce appends (lane, unit, start, end) to it.
     """
 
-    def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0) -> None:
+    def __init__(self, seconds: Callable[[int, int], float], cycle_s: float = 0.0,
+                 slowdown: float = 0.0) -> None:
         self.seconds = seconds
         self.cycle_s = cycle_s
+        self.slowdown = slowdown
+        self.busy_until = 0.0  # the GPU computes until then (set per iteration)
         self.free = 0.0
         self.busy_s = 0.0
         self.durations: dict[tuple[int, int], float] = {}
@@ -137,7 +149,10 @@ class Collectives:
             duration = self.durations[unit, nbytes] = self.seconds(unit, nbytes)
         if self.cycle_s:
             t = math.ceil(t / self.cycle_s - 1e-9) * self.cycle_s
-        self.free = (t if t > self.free else self.free) + duration
+        start = t if t > self.free else self.free
+        if self.slowdown and start < self.busy_until:
+            duration = stretched(start, duration, self.busy_until, self.slowdown)
+        self.free = start + duration
         self.busy_s += duration
         if self.log is not None:
             self.log.append(("collective", unit, self.free - duration, self.free))
@@ -175,10 +190,12 @@ class ParameterServers:
 
     def __init__(self, net: Network, parts: list[list[tuple[int, int]]], nodes: int,
                  per_node: int, servers: int, local_reduce: bool,
-                 node_reduce: str = "scatter", engine_threads: int = 1) -> None:
+                 node_reduce: str = "scatter", engine_threads: int = 1,
+                 slowdown: float = 0.0) -> None:
         """`parts`: per unit, (bytes, server index) of each partition; `local_reduce`: a
-        node sums its workers' gradients and pushes once (BytePS)."""
-        self.net, self.servers = net, servers
+        node sums its workers' gradients and pushes once (BytePS); `slowdown`: the bus's
+        GPU work runs 1 + slowdown times slower while the GPU computes (as Collectives')."""
+        self.net, self.servers, self.slowdown, self.busy_until = net, servers, slowdown, 0.0
         sharing = per_node if local_reduce else 1  # workers that share a partition
         whole = sharing > 1 and node_reduce == "root"
         # bytes over the bus per byte of partition, each way, at half the rate: scatter,
@@ -186,6 +203,10 @@ class ParameterServers:
         # root's reduce (or broadcast) and its copy of the whole partition
         bus_share = 2 * ((sharing - 1) / sharing + net.ps_host_copy) if whole else \
             2 * ((sharing - 1) + net.ps_host_copy) / sharing
+        # of the bus's work, the share NCCL's kernels do (the rest is copies, which the
+        # GPU's copy engines make: not slowed beside compute)
+        nccl = (sharing - 1) / sharing
+        self.gpu_share = nccl / (nccl + net.ps_host_copy) if nccl else 0.0
         senders = nodes if local_reduce else nodes * per_node
         node_share = 1 if local_reduce else per_node
         # links by index: node up, node down, bus up, bus down, each server's in, out, then
@@ -208,7 +229,7 @@ class ParameterServers:
                        for (size, server), lane in zip(unit, unit_lanes)]
                       for unit, unit_lanes in zip(parts, lanes)]
         self.free = [0.0] * (len(self.names) + servers * engine_threads)
-        self.issued = [0] * len(parts)  # times each unit was issued: the links' busy time
+        self.busy_s = [0.0] * len(self.free)
         self.log: list | None = None
         # root: each unit's one reduce (and broadcast) and copy, before its first push and
         # after its last pull
@@ -217,27 +238,10 @@ class ParameterServers:
 
     @property
     def busy(self) -> dict[str, float]:
-        """Seconds each link, and each engine lane that had work, was busy over every
-        unit issued so far."""
-        busy = [0.0] * len(self.free)
-        for unit, n in enumerate(self.issued):
-            if not n:
-                continue
-            bus = node = 0.0
-            for step in self.steps[unit]:
-                bus += step[0]
-                node += step[1]
-                busy[step[3]] += n * step[2]  # the server's in and out links
-                busy[step[4]] += n * step[2]
-                busy[step[5]] += n * step[6]  # its engine lane
-            bus += self.whole[unit]
-            busy[0] += n * node
-            busy[1] += n * node
-            busy[2] += n * bus
-            busy[3] += n * bus
+        """Seconds each link, and each engine lane that had work, was busy so far."""
         links = len(self.names)
-        return {**dict(zip(self.names, busy)),
-                **{self._name(i): b for i, b in enumerate(busy[links:], links) if b}}
+        return {**dict(zip(self.names, self.busy_s)),
+                **{self._name(i): b for i, b in enumerate(self.busy_s[links:], links) if b}}
 
     def _name(self, i: int) -> str:
         """Link or lane `i`'s name (server<s>_engine<t> for the lanes)."""
@@ -249,23 +253,29 @@ class ParameterServers:
     def issue(self, unit: int, nbytes: int, t: float) -> float:
         """Every partition of `unit` pushed from `t` and pulled back; when the last is in.
         (The queues of the class docstring, written out: the simulator's innermost loop.)"""
-        done, alpha, free = t, self.net.inter.alpha, self.free
-        whole, log = self.whole[unit], self.log
-        self.issued[unit] += 1
+        done, alpha, free, busy = t, self.net.inter.alpha, self.free, self.busy_s
+        whole, log, slowdown, until = self.whole[unit], self.log, self.slowdown, self.busy_until
         if whole:  # root: the unit reduced and on the host before the first push
             t = (t if t > free[2] else free[2]) + whole
             free[2] = done = t
+            busy[2] += whole
             if log is not None:
                 log.append((self._name(2), unit, t - whole, t))
         for bus, node, server, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
-            start = t
+            start, up_bus, down_bus = t, bus, bus
             if bus:  # bus up
-                start = (t if t > free[2] else free[2]) + bus
+                start = t if t > free[2] else free[2]
+                if slowdown and start < until:
+                    up_bus = self._slowed(start, bus, until)
+                start += up_bus
                 free[2] = start
+                busy[2] += up_bus
             up = (start if start > free[0] else free[0]) + node  # node up
             free[0] = up
+            busy[0] += node
             into = (start if start > free[s_in] else free[s_in]) + server  # server in
             free[s_in] = into
+            busy[s_in] += server
             pushed = (up if up > into else into) + alpha
             if summing:  # the engine lane: from the second push, the rest after the last
                 begun = pushed - lead
@@ -273,28 +283,43 @@ class ParameterServers:
                 if summed < pushed + tail:
                     summed = pushed + tail
                 free[lane] = summed
+                busy[lane] += summing
             else:
                 summed = pushed
             out = (summed if summed > free[s_out] else free[s_out]) + server  # server out
             free[s_out] = out
+            busy[s_out] += server
             down = (summed if summed > free[1] else free[1]) + node  # node down
             free[1] = down
+            busy[1] += node
             pulled = (out if out > down else down) + alpha
             if bus:  # bus down
-                pulled = (pulled if pulled > free[3] else free[3]) + bus
+                pulled = pulled if pulled > free[3] else free[3]
+                if slowdown and pulled < until:
+                    down_bus = self._slowed(pulled, bus, until)
+                pulled += down_bus
                 free[3] = pulled
+                busy[3] += down_bus
             if pulled > done:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
                 log += [(self._name(i), unit, free[i] - spent, free[i])
-                        for i, spent in ((2, bus), (0, node), (s_in, server), (lane, summing),
-                                         (s_out, server), (1, node), (3, bus)) if spent]
+                        for i, spent in ((2, up_bus), (0, node), (s_in, server),
+                                         (lane, summing), (s_out, server), (1, node),
+                                         (3, down_bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
             done = (done if done > free[3] else free[3]) + whole
             free[3] = done
+            busy[3] += whole
             if log is not None:
                 log.append((self._name(3), unit, done - whole, done))
         return done
+
+    def _slowed(self, start: float, bus: float, until: float) -> float:
+        """A partition's `bus` seconds starting at `start`, its NCCL share slowed until
+        `until`, its copies not."""
+        gpu = bus * self.gpu_share
+        return stretched(start, gpu, until, self.slowdown) + bus - gpu
 
     def issue_all(self, nbytes: list[int], ready: list[float]) -> list[float]:
         """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""

@@ -47,6 +47,7 @@ class Compute:
     forward: list[tuple[tuple[int, ...], float]]  # execution order: (layers needed, seconds)
     update_s: float           # the optimizer step of the whole model
     source: str
+    byte_s: float = 0.0       # seconds per byte a memory-bound operation moves (0: not known)
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> Compute:
@@ -65,7 +66,7 @@ class Compute:
         """Every step `factor` times longer (processes sharing too few cores)."""
         return Compute(self.sizes, [t * factor for t in self.backward_s], self.layer_of,
                        [(needs, t * factor) for needs, t in self.forward],
-                       self.update_s * factor, self.source)
+                       self.update_s * factor, self.source, self.byte_s * factor)
 
 
 def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: float,
@@ -73,11 +74,13 @@ def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: fl
     """Steps timed by their counted work at the GPU's speed: the speed at which the
     model's iteration stepping `measured_with` (the optimizer `throughput` was measured
     with; None: the model's own) takes `local_batch / throughput` seconds. So a run of
-    another optimizer has its own step's work at the same speed."""
+    another optimizer has its own step's work at the same speed; a byte a memory-bound
+    operation moves costs `flop_per_byte` FLOPs at that speed (`byte_s`)."""
     work = _work(model_cfg, flop_per_byte)
     base = work if measured_with is None else _work(model_cfg, flop_per_byte, measured_with)
-    scaled = work.scaled(model_cfg.local_batch_size / throughput / base.total_s)
-    return dataclasses.replace(scaled, source=f"counted:{gpu}")
+    factor = model_cfg.local_batch_size / throughput / base.total_s  # seconds per FLOP
+    scaled = work.scaled(factor)
+    return dataclasses.replace(scaled, source=f"counted:{gpu}", byte_s=factor * flop_per_byte)
 
 
 def _work(model_cfg: Config, flop_per_byte: float, optimizer: Config | None = None

@@ -39,7 +39,10 @@ def row(cfg: Config, pred: Prediction, compute: profile.Compute, *, run_id: str,
     return {
         **results.identity(cfg, run_id=run_id, repeat=0, stack=stack), "source": "simulated",
         "model_params": sum(compute.sizes), "model_tensors": len(compute.sizes),
-        "throughput": pred.throughput, "timed_s": pred.iteration_s * cfg.run.timed_iters,
+        # every simulated iteration of the steady state is alike, so the study's statistic
+        # (the mean of 10-step rates on rank 0) equals the window's
+        "throughput": pred.throughput, "throughput_window": pred.throughput,
+        "throughput_study": pred.throughput, "timed_s": pred.iteration_s * cfg.run.timed_iters,
         "forward_s": compute.forward_s, "backward_s": sum(compute.backward_s),
         "comm_s": pred.exposed_s, "update_s": compute.update_s, "status": "ok",
         "device": compute.source, "plan_json": json.dumps({**pred.plan,
@@ -50,17 +53,34 @@ def row(cfg: Config, pred: Prediction, compute: profile.Compute, *, run_id: str,
     }
 
 
-def predict_sweep(cfgs: list[Config]) -> pd.DataFrame:
-    """Predict every configuration: one row each (`row`). The networks and the compute
-    come first (a missing microbenchmark stops it before any profiling; measured compute
-    runs here, one model at a time), then the predictions (`_Sweep`)."""
+@dataclass
+class Inputs:
+    """What a sweep's predictions need beside the configurations: the networks, and each
+    configuration's compute."""
+
+    networks: dict[str, Network]
+    computes: list[profile.Compute]
+
+
+def inputs(cfgs: list[Config]) -> Inputs:
+    """The networks and the compute first (a missing microbenchmark stops it before any
+    profiling; measured compute runs here, one model at a time)."""
     networks: dict[str, Network] = {}
     for cfg in cfgs:
         if cfg.network.name not in networks:
             networks[cfg.network.name] = network(cfg)
     profiles = profile.ComputeProfiles()
-    computes = [profiles(cfg) for cfg in cfgs]
-    sweep = _Sweep(cfgs, computes, networks, f"sim-{uuid.uuid4().hex[:8]}", results.software())
+    return Inputs(networks, [profiles(cfg) for cfg in cfgs])
+
+
+def predict_sweep(cfgs: list[Config], given: Inputs | None = None, *,
+                  slowdown: dict[str, float] | None = None) -> pd.DataFrame:
+    """Predict every configuration: one row each (`row`), from `given` inputs (default:
+    `inputs(cfgs)`); `slowdown`: per method, the calibrated slowdown of communication
+    beside compute (model.predict)."""
+    given = given or inputs(cfgs)
+    sweep = _Sweep(cfgs, given.computes, given.networks, f"sim-{uuid.uuid4().hex[:8]}",
+                   results.software(), slowdown or {})
     return pd.DataFrame(sweep.rows())
 
 
@@ -75,6 +95,7 @@ class _Sweep:
     networks: dict[str, Network]
     run_id: str
     stack: dict
+    slowdown: dict[str, float]
 
     def span(self, bounds: tuple[int, int]) -> list[dict]:
         return [row(cfg, self.predict(cfg, compute), compute, run_id=self.run_id,
@@ -82,10 +103,10 @@ class _Sweep:
                 for cfg, compute in zip(self.cfgs[slice(*bounds)], self.computes[slice(*bounds)])]
 
     def predict(self, cfg: Config, compute: profile.Compute) -> Prediction:
-        net = self.networks[cfg.network.name]
+        net, slowdown = self.networks[cfg.network.name], self.slowdown.get(cfg.method.name, 0.0)
         if not cfg.simulate.trace:
-            return predict(cfg, compute, net)
-        pred, path = predict_traced(cfg, compute, net, run_id=self.run_id)
+            return predict(cfg, compute, net, slowdown=slowdown)
+        pred, path = predict_traced(cfg, compute, net, run_id=self.run_id, slowdown=slowdown)
         print(f"{cfg.model.name} {cfg.method.name} x{num_workers(cfg)} {cfg.network.name}: "
               f"predicted timeline -> {path}", flush=True)
         return pred

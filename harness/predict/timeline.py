@@ -33,10 +33,10 @@ def _order(lane: str) -> tuple:
 
 
 def predict_traced(cfg: Config, compute: profile.Compute, net: Network, *,
-                   run_id: str) -> tuple[Prediction, Path]:
+                   run_id: str, slowdown: float = 0.0) -> tuple[Prediction, Path]:
     """`predict`, and its timeline written as a trace file."""
     log: list[tuple] = []
-    pred = predict(cfg, compute, net, log=log)
+    pred = predict(cfg, compute, net, log=log, slowdown=slowdown)
     lanes = ["compute", "comm", *sorted({e[0] for e in log} - {"compute", "comm"}, key=_order)]
     tid = {lane: n for n, lane in enumerate(lanes, start=1)}  # compute, comm: traces.py's
     events = [traces.meta("process_name", 0, "ddlbench (predicted)")]
