@@ -1,5 +1,6 @@
 """How a method looks and sorts: the study's method order, a fixed color per method and
-hatching for a method run on another engine (`wfbp_a2a@horovod`)."""
+hatching for a method run on another engine (`wfbp_a2a@horovod`) or with other settings
+(`bsp_a2a [optimizer.name=sgd]`, report/data.py `series`)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,30 @@ _TAB20 = dict(zip(METHOD_ORDER, [1, 0, 3, 2, 4, 7, 6, 5, 14]))
 _TAB20_SPARE = [8, 10, 12, 16, 18, 9, 11, 13, 17, 19]
 
 
+def base_method(series: str) -> str:
+    """The method of a series: `wfbp_a2a@horovod [sync_each_step=device]` -> wfbp_a2a."""
+    return series.partition(" [")[0].partition("@")[0]
+
+
 def method_order(methods: Iterable[str]) -> list[str]:
     """The study's method order, then ddp, then any other names alphabetically; a method on
-    another engine (`wfbp_a2a@horovod`) right after the method itself."""
+    another engine or with other settings right after the method itself."""
     names = set(methods)
-    native = {m.partition("@")[0] for m in names}
+    native = {base_method(m) for m in names}
     order = [m for m in METHOD_ORDER if m in native] + sorted(native - set(METHOD_ORDER))
-    return [n for m in order for n in sorted(names) if n.partition("@")[0] == m]
+    return [n for m in order for n in sorted(names) if base_method(n) == m]
 
 
 def method_hatch(method: str) -> str | None:
-    """The bars of a method on another engine are hatched (in its native method's color)."""
-    return "xx" if "@" in method else None
+    """Bars in the method's color, hatched on another engine (xx) and with other settings
+    (//, both: xx//)."""
+    return ("xx" if "@" in method else "") + ("//" if " [" in method else "") or None
 
 
 def method_color(method: str) -> tuple[float, ...]:
-    """A fixed color per method name (the same in every figure; on any engine)."""
-    method = method.partition("@")[0]
+    """A fixed color per method name (the same in every figure; on any engine, with any
+    settings)."""
+    method = base_method(method)
     index = _TAB20.get(method)
     if index is None:
         index = _TAB20_SPARE[zlib.crc32(method.encode()) % len(_TAB20_SPARE)]
