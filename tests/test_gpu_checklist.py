@@ -1,11 +1,12 @@
-"""Steps 13-16 of ../shared/gpu-checklist.md, each a test of its own, for a machine with GPUs:
+"""Steps 13-16 of the team's GPU checklist (described below), each a test of its own, for a
+machine with GPUs:
 
     python -m pytest -m gpu tests/test_gpu_checklist.py -v -s -rs
 
 (`-s` shows what each step prints, for the closing note; `-rs` says why a step was
 skipped.) Without a GPU every test is skipped, saying so; a step that needs more GPUs than
 the machine has (two workers under NCCL need two) is skipped naming the count, and its
-one-GPU part still runs. Step 15 checks helper B's NCCL blame (issue 38, item 3).
+one-GPU part still runs. Step 15 checks the NCCL blame of issue 38, item 3.
 
 - 13: two emulated nodes on one GPU host: NCCL goes over its sockets on the veths
   ("via NET/Socket", never P2P or SHM) at the link's rate, each rank with its namespace
@@ -38,7 +39,7 @@ from tests.conftest import REPO, run_module
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(GPUS == 0, reason="needs a GPU (../shared/gpu-checklist.md)")]
+              pytest.mark.skipif(GPUS == 0, reason="needs a GPU (the GPU checklist, steps 13-16)")]
 ROOT = pytest.mark.skipif(os.geteuid() != 0 or bool(checks.missing_net_tools()),
                           reason="emulated nodes need root and iproute2 (ip, tc)")
 
