@@ -27,8 +27,16 @@ RATES = ("window", "study")  # run.rate: the row's throughput statistic
 def step_ending(run: Any) -> str:
     """How each step of `run` (the run section) ends: one of CLOCKS, or the value as given
     when it is none of them (checked by config.validate)."""
-    value = str(run.sync_each_step).lower()
-    return "drain" if value == "true" else value
+    return ending(run.sync_each_step)
+
+
+def ending(value: Any) -> str:
+    """A run.sync_each_step value as one of CLOCKS: true (as shards and configurations
+    before `device` said it) is drain, nothing (None, NaN) is false."""
+    text = "false" if value is None or value != value else str(value).lower()
+    return "drain" if text == "true" else text
+
+
 ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives
 # run.fault.kind: raise an error, exit (os._exit(3)), hang (the training thread sleeps; the
 # process's other threads run on), stop (SIGSTOP: every thread of the process frozen, as a

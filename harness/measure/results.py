@@ -25,7 +25,7 @@ from harness.config import engine as horovod
 from harness.config.cache import installed_version
 from harness.config.frozen import Config, to_json
 from harness.config.ranks import num_servers, num_workers
-from harness.config.schema import REPO, first_line, step_ending
+from harness.config.schema import REPO, ending, first_line, step_ending
 
 # Column groups of a result row. Every shard carries all of them (missing
 # values are null), so frames from different runs concatenate cleanly.
@@ -263,7 +263,7 @@ def _frame(table: pa.Table) -> pd.DataFrame:
               "once", file=sys.stderr)
         frame = frame[~twice].reset_index(drop=True)
     frame["engine"] = frame["engine"].fillna("native")
-    frame["sync_each_step"] = frame["sync_each_step"].map(_ending)
+    frame["sync_each_step"] = frame["sync_each_step"].map(ending)  # older shards: bools
     frame["rate"] = frame["rate"].fillna("window")
     return frame
 
@@ -272,13 +272,6 @@ def _null(value):
     """A missing value as null: rows made from a data frame hold NaN where a column was
     missing (a native run's Horovod version beside a Horovod run's)."""
     return None if isinstance(value, float) and value != value else value
-
-
-def _ending(value) -> str:
-    """run.sync_each_step as a row says it: shards from before `device` wrote a bool
-    (true: drained and synchronized) or nothing."""
-    text = "false" if value is None or value != value else str(value).lower()
-    return {"true": "drain"}.get(text, text)
 
 
 def _not_a_shard(path: Path) -> str | None:
