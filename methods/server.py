@@ -51,7 +51,8 @@ class _Slot:
     """One key: each node's latest push, the answer buffer, the pushes of this round so
     far (`arrived`) and the node whose push is the running sum, and its answers in flight."""
 
-    __slots__ = ("key", "nbytes", "inputs", "total", "arrived", "merged", "sends")
+    __slots__ = ("key", "nbytes", "inputs", "total", "arrived", "merged", "summed", "held",
+                 "sends")
 
     def __init__(self, key: int, numel: int, dtype: torch.dtype, nodes: int) -> None:
         self.key = key
@@ -59,6 +60,8 @@ class _Slot:
         self.total = torch.empty(numel, dtype=dtype)
         self.nbytes = numel * self.total.element_size()
         self.arrived, self.merged = 0, 0
+        self.summed = 0     # this round's sums run so far (engine thread only)
+        self.held = False   # this round's copy popped before its last sum (engine thread only)
         self.sends: list[dist.Work] = []
 
 
@@ -72,6 +75,7 @@ class _Plan:
         self.threads = threads
         self.binding = ThreadBinding(threads)
         self.roots = list(range(0, workers, node_size))  # the ranks that push and pull
+        self.sums = len(self.roots) - 1  # engine sums per key and round
         pairs = layout.reshape(-1, 2).tolist()
         self.slots = {key: _Slot(key, numel, dtype, len(self.roots)) for key, numel in pairs}
         self.first_key = min(self.slots, default=-1)
@@ -180,14 +184,29 @@ class Server:
                 self._run(*item)
 
     def _run(self, op: int, plan: _Plan, slot: _Slot, node: int) -> None:
-        """SUM: add node `node`'s push into the running sum; COPY (`node` the one holding
-        the sum): copy it into the answer buffer and send that to every root."""
+        """SUM: add node `node`'s push into the running sum; COPY: copy the sum into the
+        answer buffer and send that to every root, once the round's last sum has run.
+
+        BytePS's heap can pop a key's COPY_MERGED before one of its SUM_RECVs (its
+        comparator's counts move under a heap that is never rebuilt), and BytePS then
+        answers a sum missing a push. Here the copy waits for the key's last sum and runs
+        right after it: the order BytePS serves, except where BytePS would be wrong."""
         if op == SUM:
             slot.inputs[slot.merged].add_(slot.inputs[node])
+            slot.summed += 1
+            if not slot.held or slot.summed < plan.sums:
+                return
+        elif slot.summed < plan.sums:
+            slot.held = True
             return
+        slot.summed, slot.held = 0, False
+        self._answer(plan, slot)
+
+    def _answer(self, plan: _Plan, slot: _Slot) -> None:
+        """Copy the round's sum into the answer buffer and send it to every root."""
         for work in slot.sends:  # the previous round's answers have left
             work.wait()
-        slot.total.copy_(slot.inputs[node])
+        slot.total.copy_(slot.inputs[slot.merged])
         slot.sends = [dist.isend(slot.total, dst=root, tag=KEY_TAG + slot.key)
                       for root in plan.roots]
         if slot.key == plan.first_key and self.on_round is not None:

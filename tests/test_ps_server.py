@@ -108,6 +108,36 @@ def test_one_pusher_queues_only_the_copy_and_every_round_starts_again() -> None:
     assert server.queues[0].counted[R] == 0
 
 
+def test_a_copy_served_before_its_keys_last_sum_waits_for_it() -> None:
+    """BytePS's heap can serve a key's COPY_MERGED before one of its SUM_RECVs: pushes of
+    three keys from three nodes, the engine taking a message at each None, serve key 3's
+    copy before its sum of node 1 (found by replaying random pushes under BytePS's rules;
+    counts move under a heap that is never rebuilt). BytePS would then answer a sum
+    missing a push; the server's copy waits for the key's last sum and every answer is
+    the sum of the three pushes."""
+    server, plan = _server({1: 4, 2: 4, 3: 4}, nodes=3)
+    answers = {}  # no worker to send them to: each key's answer as it would leave
+    server._answer = lambda plan, slot: answers.setdefault(slot.key, slot.inputs[slot.merged] + 0)
+    pushed = {key: [torch.full((4,), float(10 ** node * key)) for node in range(3)]
+              for key in plan.slots}
+    for key, slot in plan.slots.items():
+        for node in range(3):
+            slot.inputs[node].copy_(pushed[key][node])
+    served = []
+    for push in ((3, 2), (1, 1), (1, 2), (2, 1), (2, 2), (3, 0), (3, 1), None, (1, 0), None,
+                 (2, 0), None, None, None, None, None, None, None):
+        if push is not None:
+            _push(server, plan, *push)
+            continue
+        op, _, slot, node = item = server.queues[0].get(0)
+        served.append(({SUM: "sum", COPY: "copy"}[op], slot.key, node))
+        server._run(*item)
+    assert served.index(("copy", 3, 2)) < served.index(("sum", 3, 1)), served
+    for key, slot in plan.slots.items():
+        assert torch.equal(answers[key], sum(pushed[key])), (key, answers[key])
+        assert (slot.summed, slot.held) == (0, False)
+
+
 def test_keys_bind_to_the_thread_with_the_fewest_bytes_bound_so_far() -> None:
     """GetThreadID by hand, 3 threads, keys first seen in this order with these bytes:
     k1 400 -> t0 (all 0, lowest index) [400, 0, 0]; k2 100 -> t1 [400, 100, 0];
