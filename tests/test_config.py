@@ -332,3 +332,22 @@ def test_a_yaml_error_names_its_file_and_line() -> None:
         broken.unlink()
     assert str(err.value).startswith(f"conf/method/{broken.name} line 3, column 8: expected ','")
     assert "fix that file" in str(err.value)
+
+
+def test_a_key_of_some_swept_methods_is_checked_job_by_job() -> None:
+    """`method.transport.engine_threads` exists on the PS methods only: beside a sweep of
+    PS methods it is set on each job; beside one with an all-reduce method it is refused,
+    naming that job, before anything starts."""
+    jobs = config.sweep(["method=bsp_ps,wfbp_ps", "method.transport.engine_threads=4",
+                         "model=bert_tiny,resnet50_small"])
+    loaded = config.load_all(jobs)
+    assert sorted((c.method.name, c.model.name) for c in loaded) == [
+        ("bsp_ps", "bert_tiny"), ("bsp_ps", "resnet50_small"), ("wfbp_ps", "bert_tiny"),
+        ("wfbp_ps", "resnet50_small")]
+    assert {c.method.transport.engine_threads for c in loaded} == {4}
+    jobs = config.sweep(["method=bsp_a2a,wfbp_ps", "method.transport.engine_threads=4"])
+    with pytest.raises(config.ConfigError, match="engine_threads is not a configuration key.*"
+                                                 r"in the sweep's job method=bsp_a2a\)"):
+        config.load_all(jobs)
+    with pytest.raises(config.ConfigError, match=r"in the sweep's job method=bsp_a2a\)"):
+        config.load_all(jobs, simulate=True)

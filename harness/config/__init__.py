@@ -1,4 +1,5 @@
-"""The configuration room: composition and sweeps (compose), typed schemas (schema), the
+"""The configuration room: composition and sweeps (compose), the overrides as typed (overrides),
+typed schemas (schema), the
 rules every configuration keeps (rules), input checks (checks), input tables (tables),
 every command's --help (usage), read-only configurations
 of simulated sweeps (frozen), who the ranks are (ranks), what engine=horovod needs

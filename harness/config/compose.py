@@ -11,93 +11,36 @@ and exit 2. A simulated sweep's jobs load as read-only Frozen configurations
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import difflib
 import functools
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from harness.config import cache, checks, diagnose
 from harness.config.frozen import Frozen, assign, freeze, select, thaw
+from harness.config.overrides import (
+    check_choices,
+    choices,
+    is_choice,
+    is_plain,
+    parse,
+    parse_one,
+)
 from harness.config.rules import as_simulated, validate
-from harness.config.schema import CONF_DIR, GROUPS, BenchConf, ConfigError, first_line
-
-
-def choices(group: str) -> list[str]:
-    """The names users can type for a config group: the file stems in conf/<group>/."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_one(override: str):
-    """Hydra's parse of one override (about 1 ms: a sweep's jobs repeat the same few)."""
-    return OverridesParser.create().parse_overrides([override])[0]
-
-
-def _parse(overrides: list[str]) -> list:
-    """Hydra's parse of each override, deletions of keys every configuration has refused
-    (diagnose.deleted); ConfigError names the first override that does not parse."""
-    try:
-        parsed = [_parse_one(o) for o in overrides]
-    except Exception:  # noqa: BLE001 - a bad one: named below, with Hydra's message
-        raise ConfigError(_unparsable(overrides)) from None
-    for ov in parsed:
-        if ov.type == OverrideType.DEL and ov.package is None:
-            diagnose.deleted(ov.input_line, ov.key_or_group, choices)
-    return parsed
-
-
-def _unparsable(overrides: list[str]) -> str:
-    """The message for the first override Hydra cannot parse: only that one, and where it
-    follows a text value, the hint that the shell split a value with a space in it."""
-    for i, override in enumerate(overrides):
-        try:
-            _parse_one(override)
-            continue
-        except Exception as exc:  # noqa: BLE001 - Hydra's parse errors become one line
-            error = first_line(exc, type(exc).__name__)
-        if repr(override) not in error:
-            error = f"cannot parse {override!r}: {error}"
-        before = _parse_one(overrides[i - 1]) if i and "=" in overrides[i - 1] else None
-        if "=" not in override and before is not None and isinstance(before.value(), str) \
-                and before.key_or_group not in GROUPS:  # `key=a b`: a value with a space
-            return (f"{error}; if {override!r} belongs to "
-                    f"{before.input_line}, quote the value with its spaces: "
-                    f"'{before.input_line} {override}'")
-        fix = "" if "=" in override else "; give key=value overrides (a list: --help)"
-        return f"{error}{fix}"
-    return f"cannot parse overrides {overrides}"
-
-
-def _check_choices(overrides: list[str]) -> None:
-    for ov in _parse(overrides):
-        key = ov.key_or_group
-        if key.startswith(("hydra/launcher", "hydra.launcher")):
-            raise ConfigError(f"{ov.input_line}: Hydra's launchers are not used; sweeps go to "
-                              "Slurm with python -m harness.submit (job arrays, resumable, "
-                              "one failed row per failure)")
-        if key not in GROUPS:
-            continue
-        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
-        for value in values:
-            if value is not None and str(value) not in choices(key):
-                close = difflib.get_close_matches(str(value), choices(key), n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]}? " if close else ""
-                raise ConfigError(f"{key} {str(value)!r} is unknown; {hint}"
-                                  f"choose one of: {', '.join(choices(key))}")
+from harness.config.schema import CONF_DIR, BenchConf, ConfigError, first_line
 
 
 def compose_raw(overrides: list[str], *, hydra_node: bool = False) -> DictConfig:
     """Compose conf/bench.yaml with `overrides` (no sweeps), unvalidated."""
-    _check_choices(overrides)
+    check_choices(overrides)
     return copy.deepcopy(_compose(tuple(overrides), hydra_node))
 
 
@@ -150,7 +93,7 @@ def _unknown_key(key: str, overrides: tuple[str, ...]) -> str:
 
 def _values(override: str) -> list[str]:
     """The values an override takes: several for a sweep, else one."""
-    ov = _parse([override])[0]
+    ov = parse([override])[0]
     if ov.is_sweep_override():
         return [str(v).strip() for v in ov.sweep_string_iterator()]
     return [str(ov.value())]
@@ -164,10 +107,11 @@ def expand(overrides: list[str]) -> list[list[str]]:
     experiment's sweep of it.
     """
     overrides = [o for o in overrides if o not in ("-m", "--multirun")]
-    parsed = _parse(overrides)
+    parsed = parse(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     sweeps = {o.key_or_group: _values(o.input_line) for o in parsed if o.is_sweep_override()}
-    params = dict(_sweeper(fixed).get("params") or {})
+    params = dict(_sweeper([o.input_line for o in parsed if not o.is_sweep_override()
+                            and not is_plain(o)]).get("params") or {})
     given = {o.key_or_group for o in parsed}
     swept = {k: _values(f"{k}={v}") for k, v in params.items() if k not in given}
     swept.update(sweeps)
@@ -178,8 +122,10 @@ def expand(overrides: list[str]) -> list[list[str]]:
 
 def _sweeper(overrides: list[str]) -> dict:
     """The `hydra.sweeper` node of the composition of `overrides`, as data (no
-    DictConfig of Hydra's whole node is made to read it)."""
-    _check_choices(overrides)
+    DictConfig of Hydra's whole node is made to read it). Callers leave out plain
+    values and sweeps: a key that only some of the sweep's methods have
+    (`method=bsp_ps,wfbp_ps method.transport.engine_threads=4`) is checked job by job."""
+    check_choices(overrides)
     return _composed(tuple(overrides), True)["hydra"]["sweeper"]
 
 
@@ -190,7 +136,9 @@ def sweep(overrides: list[str]) -> list[list[str]]:
     """
     jobs = expand(overrides)
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    for entry in _sweeper([o for o in overrides if "," not in o]).get("extra") or []:
+    choices = [o.input_line for o in parse(overrides)
+               if not o.is_sweep_override() and not is_plain(o)]
+    for entry in _sweeper(choices).get("extra") or []:
         extra = [f"{k}={v}" for k, v in entry.items() if k not in given]
         jobs += expand([*overrides, *extra])
     return [list(job) for job in dict.fromkeys(map(tuple, jobs))]
@@ -225,17 +173,30 @@ def load_all(jobs: list[list[str]], *, simulate: bool = False) -> list[DictConfi
 
     out = []
     for job in jobs:
-        parsed = _parse(job)
-        plain = [o for o in parsed if _is_plain(o)]
-        choices = [o for o in parsed if _is_choice(o)]
+        parsed = parse(job)
+        plain = [o for o in parsed if is_plain(o)]
+        choices = [o for o in parsed if is_choice(o)]
         context = tuple(o.input_line for o in parsed if o not in plain and o not in choices)
         cfg = copy.deepcopy(typed(context))
         for o in choices:
             cfg[o.key_or_group] = typed((*context, o.input_line))[o.key_or_group]
-        _set_plain(cfg, plain)
+        with _naming_job([o.input_line for o in choices], len(jobs) > 1):
+            _set_plain(cfg, plain)
         validate(cfg, simulate=simulate)
         out.append(cfg)
     return out
+
+
+@contextlib.contextmanager
+def _naming_job(choices: list[str], sweep: bool) -> Iterator[None]:
+    """A ConfigError inside names the sweep's job by its group choices (a key that only
+    some of the swept methods have is refused for the jobs that lack it)."""
+    try:
+        yield
+    except ConfigError as exc:
+        if not sweep or not choices:
+            raise
+        raise ConfigError(f"{exc} (in the sweep's job {' '.join(choices)})") from None
 
 
 def _set_plain(cfg: DictConfig, plain: list) -> None:
@@ -264,7 +225,7 @@ def _load_frozen(jobs: list[list[str]]) -> list[Frozen]:
     checked: set = set()
     out = []
     for job in jobs:
-        _parse(job)  # Hydra's message for a list with a bad override
+        parse(job)  # Hydra's message for a list with a bad override
         kinds = [_kind(o) for o in job]
         plain = [o for o, kind in zip(job, kinds) if kind == "plain"]
         choices = tuple(o for o, kind in zip(job, kinds) if kind == "choice")
@@ -275,7 +236,8 @@ def _load_frozen(jobs: list[list[str]]) -> list[Frozen]:
         for override in plain:
             typed = _typed_value(override)
             if typed is None or select(cfg, typed[0], _ABSENT) is _ABSENT:
-                cfg = _frozen_slowly(context, choices, plain)
+                with _naming_job(list(choices), len(jobs) > 1):
+                    cfg = _frozen_slowly(context, choices, plain)
                 break
             cfg = assign(cfg, *typed)
         cfg = as_simulated(cfg)
@@ -287,8 +249,8 @@ def _load_frozen(jobs: list[list[str]]) -> list[Frozen]:
 @functools.lru_cache(maxsize=4096)
 def _kind(override: str) -> str:
     """"plain", "choice" or "context" (everything else: the experiment, additions, ...)."""
-    parsed = _parse_one(override)
-    return "plain" if _is_plain(parsed) else "choice" if _is_choice(parsed) else "context"
+    parsed = parse_one(override)
+    return "plain" if is_plain(parsed) else "choice" if is_choice(parsed) else "context"
 
 
 def _group_tree(context: tuple[str, ...], choices: tuple[str, ...]) -> Frozen:
@@ -317,7 +279,7 @@ def _typed_value(override: str) -> tuple[str, Any] | None:
     """(key, value) of a plain override as the schema types it (a typed field converted,
     ConfigError if it cannot be; a free-form key's value as given), or None where only
     the whole configuration can tell (a key below a null field, an interpolation)."""
-    parsed = _parse_one(override)
+    parsed = parse_one(override)
     key, value = parsed.key_or_group, parsed.value()
     if "${" in repr(value):
         return None
@@ -343,23 +305,8 @@ def _frozen_slowly(context: tuple[str, ...], choices: tuple[str, ...], plain: li
     for choice in choices:
         group = choice.split("=", 1)[0]
         cfg[group] = _typed(compose_raw([*context, choice]))[group]
-    _set_plain(cfg, _parse(plain))
+    _set_plain(cfg, parse(plain))
     return freeze(thaw(cfg))
-
-
-def _is_choice(override) -> bool:
-    """`group=option` for a group whose option fills one subtree (not the experiment)."""
-    return (override.type == OverrideType.CHANGE and override.package is None
-            and not override.is_sweep_override()
-            and override.key_or_group in GROUPS and override.key_or_group != "experiment")
-
-
-def _is_plain(override) -> bool:
-    """`key=value` on a key of the config (not a group choice, sweep, addition or deletion)."""
-    return (override.type == OverrideType.CHANGE and override.package is None
-            and not override.is_sweep_override() and "/" not in override.key_or_group
-            and override.key_or_group not in GROUPS
-            and override.key_or_group.split(".")[0] != "hydra")
 
 
 def _typed(cfg: DictConfig) -> DictConfig:
