@@ -49,7 +49,8 @@ import sys
 from harness import config
 from harness.config import checks, paths, usage
 from harness.config.ranks import num_workers
-from harness.predict import calibrate
+from harness.predict import calibrate, onegpu
+from harness.predict.profile import unlike_device
 from harness.predict.sweep import Inputs, inputs, predict_sweep, write
 
 MAX_TRACES = 64  # simulate.trace: a file per configuration
@@ -71,12 +72,20 @@ def main(argv: list[str]) -> int:
         ref = (calibrate.read_cells(f"simulate.reference={sim.reference}",
                                     paths.named_file(sim.reference), cfgs)
                if sim.reference else None)
-        measured = (calibrate.read_cells(f"simulate.calibrate={sim.calibrate}",
-                                         paths.named_file(sim.calibrate), cfgs)
+        where = f"simulate.calibrate={sim.calibrate}"
+        one_gpu = (onegpu.one_gpu_rows(where, paths.named_file(sim.calibrate), cfgs)
+                   if sim.calibrate else {})
+        measured = (calibrate.read_cells(where, paths.named_file(sim.calibrate), cfgs,
+                                         empty_ok=bool(one_gpu))
                     if sim.calibrate else None)
         fitted_on = (calibrate.fit_cells(measured, sim.calibrate_gpus)
                      if measured is not None else measured)
-        given = inputs(cfgs)
+        for note in dict.fromkeys(unlike_device(c) for c in cfgs):
+            if note:
+                print(f"ddlbench: note: {note}", file=sys.stderr, flush=True)
+        if one_gpu:
+            print(onegpu.describe(one_gpu), flush=True)
+        given = inputs(cfgs, measured=one_gpu)
         raw = predict_sweep(cfgs, given)
         costs, frame = _calibrated(cfgs, given, raw, fitted_on)
         write(frame, raw, costs, cfgs[0].results_dir)

@@ -74,9 +74,11 @@ def measured(source: str) -> pd.DataFrame:
             .rename(columns={"world_size": "gpus", "throughput": "throughput_mean"}))
 
 
-def read_cells(where: str, source: str, cfgs: list[Config]) -> pd.DataFrame:
+def read_cells(where: str, source: str, cfgs: list[Config], *, empty_ok: bool = False
+               ) -> pd.DataFrame | None:
     """The measured cells of the sweep `cfgs` in `source`, read and checked before anything
-    is simulated (`where` names the setting): ConfigError names the problem."""
+    is simulated (`where` names the setting): ConfigError names the problem (with
+    `empty_ok`, None where it has no cell of the sweep)."""
     ref = tables.read_table(where, source, read=measured,
                             columns=["model", "method", "network", "gpus", "throughput_mean"],
                             numeric=["gpus", "throughput_mean"], whole=["gpus"])
@@ -87,6 +89,8 @@ def read_cells(where: str, source: str, cfgs: list[Config]) -> pd.DataFrame:
     ref = ref.astype({"gpus": int})
     cells = {(c.model.name, c.method.name, c.network.name, num_workers(c)) for c in cfgs}
     ref = ref[[cell in cells for cell in zip(ref.model, ref.method, ref.network, ref.gpus)]]
+    if ref.empty and empty_ok:
+        return None
     if ref.empty:
         raise config.ConfigError(f"{where} has no cell of this sweep (network "
                                  f"{', '.join(sorted({c.network.name for c in cfgs}))})")
