@@ -5,9 +5,12 @@
     python -m harness.simulate model=resnet50 method=wfbp_ps cluster.nodes=4 \\
         cluster.workers_per_node=4 network=eth10_tcp simulate.compute=rtx2080ti
 
+    python -m harness.simulate advise model=bert_large gpu=h100_sxm network=ib_ndr nodes=16
+
 Main keys: experiment=, model=, method=, network= (names below), cluster.nodes,
 cluster.workers_per_node, simulate.compute (measured: profile the model here; or a GPU of
-simulate.gpus, e.g. rtx2080ti), simulate.reference / simulate.calibrate (a CSV or results
+conf/gpu/, e.g. h100_sxm or the study's rtx2080ti), simulate.precision (fp32, tf32, bf16),
+simulate.reference / simulate.calibrate (a CSV or results
 folder to validate against / fit on), simulate.advise=true, simulate.trace=true,
 results_dir.
 
@@ -59,6 +62,7 @@ MAX_TRACES = 64  # simulate.trace: a file per configuration
 def main(argv: list[str]) -> int:
     if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
         return 0
+    argv = short_form(argv)
     try:
         checks.used_by("harness.simulate", argv)
         jobs = config.sweep(argv)
@@ -107,6 +111,23 @@ def main(argv: list[str]) -> int:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+SHORT = {"gpu": "simulate.compute", "nodes": "cluster.nodes",
+         "gpus_per_node": "cluster.workers_per_node"}
+
+
+def short_form(argv: list[str]) -> list[str]:
+    """`advise key=value ...`: simulate.advise=true for every method (unless
+    `method=` names some), with `gpu=`, `nodes=` and
+    `gpus_per_node=` for simulate.compute, cluster.nodes and cluster.workers_per_node."""
+    if not argv or argv[0] != "advise":
+        return argv
+    keys = [a.partition("=") for a in argv[1:]]
+    every = [] if any(k == "method" for k, _, _ in keys) else [
+        f"method={','.join(config.choices('method'))}"]  # ranked: every method
+    return [*(f"{SHORT.get(k, k)}{eq}{v}" for k, eq, v in keys), *every,
+            "simulate.advise=true"]
 
 
 def _calibrated(cfgs: list, given: Inputs, raw, fitted_on) -> tuple[dict, object]:

@@ -328,7 +328,8 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
     # two local workers share this machine: their compute is profiled in two processes at once
     assert set(frame[frame.world_size == 2].device) == {"measured:cpu x2 processes"}
     assert set(frame[frame.world_size == 1].device) == {"measured:cpu"}
-    assert "bert_tiny on 1 node(s) x 2 worker(s), loopback:" in out.stdout
+    assert ("bert_tiny on 1 node(s) x 2 worker(s), loopback, measured:cpu x2 processes "
+            "(compute calibrated: yes):") in out.stdout
     plots = tmp_path / "plots"
     out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
     assert out.returncode == 0, out.stderr

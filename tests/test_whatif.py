@@ -145,3 +145,22 @@ def test_a_fabric_takes_the_gpus_own_link_within_a_node() -> None:
     assert ndr < hdr < edr
     study = net("network=ib100_rdma", "simulate.compute=h100_sxm")
     assert study.intra.beta == pytest.approx(0.441 / (1.5 * 1.34e9))
+
+
+def test_advise_ranks_every_method_and_says_where_the_winners_time_goes(tmp_path) -> None:
+    out = run_module("harness.simulate", "advise", "model=bert_large", "gpu=h100_sxm",
+                     "network=ib_ndr", "nodes=4", "gpus_per_node=8", f"results_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    head = "bert_large on 4 node(s) x 8 worker(s), ib_ndr, h100_sxm (compute calibrated: no):"
+    assert head in out.stdout
+    ranked = re.findall(r"^  (\d)\. (\w+) ", out.stdout, re.M)
+    assert len(ranked) == len(config.choices("method"))
+    best = re.search(r"^  best: (\w+), [\d.]+% over \w+, not validated on h100_sxm and ib_ndr: "
+                     r"spec sheets and facts alone", out.stdout, re.M)
+    assert best and best.group(1) == ranked[0][1]
+    goes = re.search(rf"^  where {best.group(1)}'s ([\d.]+) ms go: compute ([\d.]+) .*"
+                     r"exposed communication ([\d.]+); busy per iteration \(ms\): \w+ [\d.]+",
+                     out.stdout, re.M)
+    assert goes, out.stdout
+    total, compute, exposed = map(float, goes.groups())
+    assert total == pytest.approx(compute + exposed, abs=0.11)
