@@ -164,3 +164,16 @@ def test_advise_ranks_every_method_and_says_where_the_winners_time_goes(tmp_path
     assert goes, out.stdout
     total, compute, exposed = map(float, goes.groups())
     assert total == pytest.approx(compute + exposed, abs=0.11)
+
+
+def test_the_gpu_what_if_spans_models_methods_gpus_fabrics_and_scale(tmp_path) -> None:
+    assert len(config.sweep(["experiment=whatif_gpus"])) == 3 * 9 * 10 * 6 * 8
+    out = run_module("harness.simulate", "experiment=whatif_gpus", "model=resnet50",
+                     "simulate.compute=h100_sxm,a100_80g", "network=ib_ndr",
+                     "method=mgwfbp,wfbp_ps", f"results_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    best = pd.read_csv(next(tmp_path.glob("sim-*_best.csv")))
+    assert len(best) == 2 * 8 and set(best.gpus) == {8 * 2**i for i in range(8)}
+    assert set(best.calibrated) == {"no"}
+    assert re.search(r"^  resnet50 \(counted:h100_sxm:fp32\) on ib_ndr \(GPUs: best method\)",
+                     out.stdout, re.M)
