@@ -177,3 +177,19 @@ def test_the_gpu_what_if_spans_models_methods_gpus_fabrics_and_scale(tmp_path) -
     assert set(best.calibrated) == {"no"}
     assert re.search(r"^  resnet50 \(counted:h100_sxm:fp32\) on ib_ndr \(GPUs: best method\)",
                      out.stdout, re.M)
+
+
+def test_a_gpu_profile_of_a_cluster_elsewhere_is_one_process_on_gpu_0(monkeypatch) -> None:
+    """Issue 38's rule for what is measured: process k on GPU k, no more processes than
+    GPUs; a cluster that is not this machine needs one (torch.cuda mocked: no GPU here)."""
+    import torch
+
+    from harness.predict import trace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = config.load(["network=ib100_rdma", *CLUSTER, "cluster.device=cuda"], simulate=True)
+    assert trace.devices("cuda", profile_processes(cfg)) == ["cuda:0"]
+    with pytest.raises(config.ConfigError, match="profiles the 8 workers .* has 1 GPUs"):
+        config.load(["network=loopback", *CLUSTER, "cluster.device=cuda", "run.force=true"],
+                    simulate=True)

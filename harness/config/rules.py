@@ -239,9 +239,9 @@ def _check_profile_gpus(cfg: Config) -> None:
     need, have = profile_processes(cfg), torch.cuda.device_count()
     if have == 0:
         raise ConfigError("simulate.compute=measured with cluster.device=cuda profiles on a "
-                          "GPU, and this machine shows none; predict GPUs with simulate."
-                          f"compute=<gpu> ({', '.join(gpus.table())}: conf/gpu/), or "
-                          "profile on cluster.device=cpu")
+                          "GPU, and this machine shows none; use cluster.device=cpu or auto "
+                          "to profile here, or predict GPUs with simulate.compute=<gpu> "
+                          f"({', '.join(gpus.table())}: conf/gpu/)")
     if need > have:
         raise ConfigError(
             f"simulate.compute=measured profiles the {need} workers of cluster.nodes="
