@@ -27,9 +27,10 @@ measured throughputs, `simulate.advise=true` ranks the methods per model and clu
 A discrete-event model of training iterations, per configuration:
 
 - compute: per-tensor forward and backward times (harness.predict.profile): FLOPs and
-  the bytes of memory-bound operations, scaled to a GPU of `simulate.gpus` (calibrated
-  only by its 1-GPU throughput and its spec sheet's FLOP/s per byte/s; counted once and
-  cached, so a warm run imports no torch), or measured here;
+  the bytes of memory-bound operations at a GPU's spec-sheet peaks (conf/gpu/) over an
+  efficiency, calibrated by a measured 1-GPU throughput where there is one (counted once
+  per model and batch and cached, so a warm run imports no torch), or measured here (one
+  process; one per worker only for a run of this machine's own);
 - the method's own plan (harness.predict.plans.plan_of: the planners of methods.plan, the
   MG-WFBP merge from the backward times and a fitted alpha/beta or the study's table
   (`simulate.mgwfbp_cost`, experiment=paper), ByteScheduler's

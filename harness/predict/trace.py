@@ -5,10 +5,10 @@ One trace gives the steps of an iteration: each parameter-owning module's forwar
 execution order, with the layers its forward needs), the moment each gradient is ready
 during backward (backward order, as the methods lay gradients out) and the optimizer
 step, stamped by a clock: work counted on the meta device (`count_work`, a cache
-miss: FLOPs, plus the bytes that operations without FLOPs move, weighed by a GPU's
-FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`: on a GPU
-CUDA events, read once each iteration is over, so nothing waits inside it; each of
-several processes on a GPU of its own, as the launcher places workers). Each returns
+miss: FLOPs, and apart from them the bytes that operations without FLOPs move), or
+wall-clock time on this machine's device (`measure`: on a GPU CUDA events, read once
+each iteration is over, so nothing waits inside it; each of several processes on a GPU
+of its own, as the launcher places workers). Each returns
 the fields of profile.Compute as a dict (what the cache keeps). torch, the
 models and the methods' torch side are imported inside the functions, so the predictor
 imports this module without them.
