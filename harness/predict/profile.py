@@ -183,6 +183,9 @@ class ComputeProfiles:
             how = ("not calibrated: simulate.efficiency; calibrate it with simulate.calibrate="
                    "<a results folder with a 1-GPU harness.run row of it>")
         calibrated = "no" if row is None and given is None else "yes"
+        if eff > 1:  # faster than the spec sheet allows: measured at another precision?
+            how += (f"; above its {sim.precision} peaks: was it measured at another precision"
+                    " (run.tf32_matmul, simulate.precision)?")
         print(f"compute: {model.name} on {gpu.name} ({sim.precision}: "
               f"{gpu.flop_s(sim.precision) / 1e12:g} TFLOP/s, {gpu.memory_gb_per_s:g} GB/s, "
               f"conf/gpu/{gpu.name}.yaml) at {eff:.0%} of its peaks, {how}", flush=True)
