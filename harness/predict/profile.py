@@ -116,13 +116,13 @@ def work(model_cfg: Config, optimizer: Config | None = None) -> tuple[Compute, C
     build = thaw(model_cfg.build)
     optimizer = thaw(model_cfg.optimizer if optimizer is None else optimizer)
     key = [model_cfg.family, build, model_cfg.local_batch_size, optimizer]
-    data = _WORK.get(json.dumps(key, sort_keys=True))
-    if data is None:
-        data = cached(
+    text = json.dumps(key, sort_keys=True)
+    if text not in _WORK:
+        _WORK[text] = cached(
             "work2", key, lambda: trace.count_work(
                 model_cfg.family, build, batch=model_cfg.local_batch_size, optimizer=optimizer),
             sources=(MODELS, ("harness/predict", "trace.py"), ("harness/measure", "bench.py")))
-        _WORK[json.dumps(key, sort_keys=True)] = data
+    data = _WORK[text]
     return Compute.of(data["flops"]), Compute.of(data["bytes"])
 
 
