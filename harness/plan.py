@@ -11,7 +11,9 @@ profile or of this network's microbenchmark; otherwise the one bucket it profile
 with, saying so), and for parameter servers each partition's key and server with
 the bytes per server and busiest / mean. The model is built on the meta device (no
 memory, no weights); only MG-WFBP's groups with `simulate.compute=measured` (the
-default) time the real model here, as the simulator does, for a few iterations. The
+default) time the real model here, as the simulator does, for a few iterations, in one
+process (in one per worker only for a run of this machine's own: local or emulated on
+loopback or a rate-limited network); `simulate.compute=<gpu>` (conf/gpu/) counts it. The
 simulator plans through the same functions (`plan_of`), and the PS transport places
 partitions with the same rules (methods/layout.py).
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 from harness import config
 from harness.config import checks, paths, usage
 from harness.predict.plans import describe, mgwfbp_inputs, plan_of, render, tensors
+from harness.predict.profile import unlike_device
 
 
 def main(argv: list[str]) -> int:
@@ -43,8 +46,14 @@ def main(argv: list[str]) -> int:
         checks.used_by("harness.plan", argv)
         if out is not None:
             paths.output_file("--json", out)
-        # nothing is started: lift the machine-fit limits of a run on this machine
+        # only MG-WFBP's measured profile starts processes here: the machine-fit limits are
+        # its alone (one process, unless the plan is of this machine's own run)
         cfg = config.load(["run.force=true", *argv], simulate=True)
+        profiles = cfg.method.planner.name == "mgwfbp" and cfg.simulate.compute == "measured"
+        if profiles:
+            cfg = config.load(argv, simulate=True)
+            if unlike_device(cfg):
+                print(f"ddlbench: note: {unlike_device(cfg)}", file=sys.stderr, flush=True)
         model = tensors(cfg.model)
         backward_s, cost = (mgwfbp_inputs(cfg) if cfg.method.planner.name == "mgwfbp"
                             else (None, None))

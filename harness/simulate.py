@@ -5,9 +5,12 @@
     python -m harness.simulate model=resnet50 method=wfbp_ps cluster.nodes=4 \\
         cluster.workers_per_node=4 network=eth10_tcp simulate.compute=rtx2080ti
 
+    python -m harness.simulate advise model=bert_large gpu=h100_sxm network=ib_ndr nodes=16
+
 Main keys: experiment=, model=, method=, network= (names below), cluster.nodes,
 cluster.workers_per_node, simulate.compute (measured: profile the model here; or a GPU of
-simulate.gpus, e.g. rtx2080ti), simulate.reference / simulate.calibrate (a CSV or results
+conf/gpu/, e.g. h100_sxm or the study's rtx2080ti), simulate.precision (fp32, tf32, bf16),
+simulate.reference / simulate.calibrate (a CSV or results
 folder to validate against / fit on), simulate.advise=true, simulate.trace=true,
 results_dir.
 
@@ -24,9 +27,10 @@ measured throughputs, `simulate.advise=true` ranks the methods per model and clu
 A discrete-event model of training iterations, per configuration:
 
 - compute: per-tensor forward and backward times (harness.predict.profile): FLOPs and
-  the bytes of memory-bound operations, scaled to a GPU of `simulate.gpus` (calibrated
-  only by its 1-GPU throughput and its spec sheet's FLOP/s per byte/s; counted once and
-  cached, so a warm run imports no torch), or measured here;
+  the bytes of memory-bound operations at a GPU's spec-sheet peaks (conf/gpu/) over an
+  efficiency, calibrated by a measured 1-GPU throughput where there is one (counted once
+  per model and batch and cached, so a warm run imports no torch), or measured here (one
+  process; one per worker only for a run of this machine's own);
 - the method's own plan (harness.predict.plans.plan_of: the planners of methods.plan, the
   MG-WFBP merge from the backward times and a fitted alpha/beta or the study's table
   (`simulate.mgwfbp_cost`, experiment=paper), ByteScheduler's
@@ -49,7 +53,8 @@ import sys
 from harness import config
 from harness.config import checks, paths, usage
 from harness.config.ranks import num_workers
-from harness.predict import calibrate
+from harness.predict import calibrate, onegpu
+from harness.predict.profile import unlike_device
 from harness.predict.sweep import Inputs, inputs, predict_sweep, write
 
 MAX_TRACES = 64  # simulate.trace: a file per configuration
@@ -58,6 +63,7 @@ MAX_TRACES = 64  # simulate.trace: a file per configuration
 def main(argv: list[str]) -> int:
     if usage.answer(argv, __doc__):  # -h, --help: the help, and nothing else
         return 0
+    argv = short_form(argv)
     try:
         checks.used_by("harness.simulate", argv)
         jobs = config.sweep(argv)
@@ -71,12 +77,20 @@ def main(argv: list[str]) -> int:
         ref = (calibrate.read_cells(f"simulate.reference={sim.reference}",
                                     paths.named_file(sim.reference), cfgs)
                if sim.reference else None)
-        measured = (calibrate.read_cells(f"simulate.calibrate={sim.calibrate}",
-                                         paths.named_file(sim.calibrate), cfgs)
+        where = f"simulate.calibrate={sim.calibrate}"
+        one_gpu = (onegpu.one_gpu_rows(where, paths.named_file(sim.calibrate), cfgs)
+                   if sim.calibrate else {})
+        measured = (calibrate.read_cells(where, paths.named_file(sim.calibrate), cfgs,
+                                         empty_ok=bool(one_gpu))
                     if sim.calibrate else None)
         fitted_on = (calibrate.fit_cells(measured, sim.calibrate_gpus)
                      if measured is not None else measured)
-        given = inputs(cfgs)
+        for note in dict.fromkeys(unlike_device(c) for c in cfgs):
+            if note:
+                print(f"ddlbench: note: {note}", file=sys.stderr, flush=True)
+        if one_gpu:
+            print(onegpu.describe(one_gpu), flush=True)
+        given = inputs(cfgs, measured=one_gpu)
         raw = predict_sweep(cfgs, given)
         costs, frame = _calibrated(cfgs, given, raw, fitted_on)
         write(frame, raw, costs, cfgs[0].results_dir)
@@ -98,6 +112,23 @@ def main(argv: list[str]) -> int:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+SHORT = {"gpu": "simulate.compute", "nodes": "cluster.nodes",
+         "gpus_per_node": "cluster.workers_per_node"}
+
+
+def short_form(argv: list[str]) -> list[str]:
+    """`advise key=value ...`: simulate.advise=true for every method (unless
+    `method=` names some), with `gpu=`, `nodes=` and
+    `gpus_per_node=` for simulate.compute, cluster.nodes and cluster.workers_per_node."""
+    if not argv or argv[0] != "advise":
+        return argv
+    keys = [a.partition("=") for a in argv[1:]]
+    every = [] if any(k == "method" for k, _, _ in keys) else [
+        f"method={','.join(config.choices('method'))}"]  # ranked: every method
+    return [*(f"{SHORT.get(k, k)}{eq}{v}" for k, eq, v in keys), *every,
+            "simulate.advise=true"]
 
 
 def _calibrated(cfgs: list, given: Inputs, raw, fitted_on) -> tuple[dict, object]:

@@ -194,10 +194,8 @@ ROWS = [
      ["network.ps_host_copy='abc'", "true or false"]),
     ("harness.simulate", [*STUDY, "simulate.gpus.rtx2080ti.resnet50=abc"],
      ["simulate.gpus.rtx2080ti.resnet50='abc'", "samples/s"]),
-    ("harness.simulate", [*STUDY, "simulate.flop_per_byte.rtx2080ti=0"],
-     ["simulate.flop_per_byte.rtx2080ti=0 is invalid", "peak FP32 FLOP/s"]),
     ("harness.simulate", [*STUDY, "simulate.compute=h100", "+simulate.gpus.h100={{resnet50: 900}}"],
-     ["simulate.flop_per_byte has no value for GPU 'h100'", "+simulate.flop_per_byte.h100="]),
+     ["simulate.compute='h100' is unknown", "h100_sxm"]),
     ("harness.simulate", ["experiment=paper", "network=ib100_rdma", "cluster.workers_per_node=3"],
      ["simulate.mgwfbp_cost=study: MG-WFBP's cost=study has", "not 3",
       "set simulate.mgwfbp_cost=fitted"]),
@@ -321,6 +319,15 @@ ROWS = [
      ["method.transport.engine_threads=0 is invalid", "> 0"]),
     ("harness.run", ["method=bsp_ps", "method.transport.engine_threads=2.5"],
      ["method.transport.engine_threads=2.5", "an integer"]),
+    # any cluster from any machine: the GPU table (issue 41)
+    ("harness.simulate", [*STUDY, "simulate.compute=v100", "simulate.precision=bf16"],
+     ["simulate.precision=bf16 is not a unit of GPU v100", "choose one of: fp32"]),
+    ("harness.simulate", [*STUDY, "simulate.precision=fp16"],
+     ["simulate.precision='fp16' is invalid", "fp32, tf32, bf16"]),
+    ("harness.simulate", [*STUDY, "simulate.compute=h100_sxm", "simulate.efficiency=1.5"],
+     ["simulate.efficiency=1.5 is invalid", "(0, 1]"]),
+    ("harness.plan", ["network=ib_ndr", "cluster.device=cuda", "method=mgwfbp"],
+     ["shows none", "simulate.compute=<gpu>"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"

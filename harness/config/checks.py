@@ -148,30 +148,34 @@ def _check_horovod_settings(settings: Config) -> None:
                           "it must be >= 0 (0: the response cache off; Horovod's default: 1024)")
 
 
-def check_fit(cfg: Config, *, local: bool) -> None:
-    """Machine-fit limits, lifted by run.force=true: sane counts and sizes; with `local`
-    (this machine runs every process), threads, processes and memory."""
+def check_fit(cfg: Config, *, here: int | None) -> None:
+    """Machine-fit limits, lifted by run.force=true: sane counts and sizes; with `here`
+    (the processes this machine starts: a run's every one, a simulation's measured
+    profile), threads, processes and memory."""
     if cfg.run.force:
         return
     for name, limit in BOUNDS.items():
         value = select(cfg, name)
         if value > limit:
             raise ConfigError(f"{name}={value} is above the limit of {limit}; lower it, or {FORCE}")
-    if not local:
+    if here is None:
         return
     n = cores()
     if cfg.run.threads > n:
         raise ConfigError(f"run.threads={cfg.run.threads} is more than the {n} cores of this "
                           f"machine; use run.threads=0 (auto) or at most {n}, or {FORCE}")
     workers, servers = processes(cfg)
-    what = (f"{workers + servers} local processes (cluster.nodes={cfg.cluster.nodes} x "
+    what = (f"{here} local processes (cluster.nodes={cfg.cluster.nodes} x "
             f"cluster.workers_per_node={cfg.cluster.workers_per_node} workers + {servers} "
             "parameter servers)")
     fix = f"lower cluster.nodes, cluster.workers_per_node or cluster.servers, or {FORCE}"
-    if workers + servers > max_processes():
+    if here < workers + servers:  # a simulation's profile of this machine's own run
+        what = f"{here} local profiling processes (one per worker of the run predicted)"
+        fix = f"lower cluster.nodes or cluster.workers_per_node, or {FORCE}"
+    if here > max_processes():
         raise ConfigError(f"{what} are more than this machine takes: {max_processes()} = "
                           f"max(8, 4 x {n} cores); {fix}")
-    need, have = (workers + servers) * PROCESS_MB, available_mb()
+    need, have = here * PROCESS_MB, available_mb()
     if have is not None and need > have:
         raise ConfigError(f"{what} need about {need} MB ({PROCESS_MB} MB each) but this "
                           f"machine has {have:.0f} MB available; {fix}")

@@ -10,6 +10,7 @@ import subprocess
 from collections.abc import Mapping, MutableMapping
 
 from harness.config.frozen import Config
+from harness.config.schema import is_real_network
 
 # Slurm's step ids from here up are not srun steps: the batch script, the extern step,
 # salloc's interactive shell (SLURM_MAX_NORMAL_STEP_ID of slurm.h)
@@ -32,10 +33,13 @@ def num_workers(cfg: Config) -> int:
 
 def profile_processes(cfg: Config) -> int:
     """The processes of a measured compute profile (simulate.compute=measured), all at
-    once: a local or emulated cluster runs every worker on this machine, so as many as it
-    has workers (sharing its cores; on GPUs process k on GPU k, as the launcher places
-    worker k); any other cluster one."""
-    return num_workers(cfg) if cfg.cluster.name in ("local", "emulated") else 1
+    once: one per distinct thing it times. Per-layer times do not depend on the number of
+    workers, so one process, unless the run predicted is this machine's own (a local or
+    emulated cluster on one of its networks: loopback or a rate-limited one), whose
+    workers share its cores: then as many as it has workers, as the run starts them (on
+    GPUs process k on GPU k, as the launcher places worker k)."""
+    ours = cfg.cluster.name in ("local", "emulated") and not is_real_network(cfg.network)
+    return num_workers(cfg) if ours else 1
 
 
 def host_of(cfg: Config, rank: int) -> int:

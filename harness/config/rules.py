@@ -13,7 +13,7 @@ import math
 
 from omegaconf import DictConfig
 
-from harness.config import checks, paths
+from harness.config import checks, gpus, paths
 from harness.config.frozen import Config, Frozen, assign, select, thaw
 from harness.config.ranks import num_workers, profile_processes
 from harness.config.schema import (
@@ -77,11 +77,12 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     checks.check_engine(cfg, load=not simulate)
     _once(checked, checks.check_network, cfg.network)
     _once(checked, _results_dir, cfg.results_dir)
-    if simulate:  # only measured compute runs processes here (as many as the run has)
+    if simulate:  # only a measured profile runs processes here (ranks.profile_processes)
         _check_simulate(cfg)
-        checks.check_fit(cfg, local=cfg.simulate.compute == "measured" and checks.spawns_here(cfg))
+        measured = cfg.simulate.compute == "measured"
+        checks.check_fit(cfg, here=profile_processes(cfg) if measured else None)
         return
-    checks.check_fit(cfg, local=checks.spawns_here(cfg))
+    checks.check_fit(cfg, here=sum(checks.processes(cfg)) if checks.spawns_here(cfg) else None)
     _check_profile(cfg.method.planner, cfg.run)
     checks.check_devices(cfg.cluster, local=checks.spawns_here(cfg))
     checks.check_links(cfg)
@@ -202,37 +203,30 @@ def _check_simulate(cfg: Config) -> None:
     sim = cfg.simulate
     for name in ("simulate.profile_iters", "simulate.iterations"):
         _positive(name, select(cfg, name))
-    for gpus in sim.calibrate_gpus or []:
-        if gpus < 2:
-            raise ConfigError(f"simulate.calibrate_gpus has {gpus}; fit on GPU counts above 1 "
+    for count in sim.calibrate_gpus or []:
+        if count < 2:
+            raise ConfigError(f"simulate.calibrate_gpus has {count}; fit on GPU counts above 1 "
                               "(one GPU sends nothing), e.g. simulate.calibrate_gpus=[4]")
     rate = cfg.network.get("rate_mbit")
     if rate is not None:
         _positive("network.rate_mbit", rate)
+    _one_of("simulate.precision", sim.precision, gpus.PRECISIONS)
+    if not 0 < sim.efficiency <= 1:
+        raise ConfigError(f"simulate.efficiency={sim.efficiency} is invalid; give the share "
+                          "of its peaks a GPU reaches, in (0, 1], e.g. 0.5")
     if sim.compute == "measured":
         _check_profile_gpus(cfg)
         return
-    if sim.compute not in sim.gpus:
+    table = gpus.table()
+    if sim.compute not in table:
         raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose measured or a "
-                          f"GPU of simulate.gpus: {', '.join(sim.gpus) or 'none defined'}")
-    if cfg.model.name not in sim.gpus[sim.compute]:
-        raise ConfigError(f"simulate.gpus.{sim.compute} has no 1-GPU throughput of model "
-                          f"{cfg.model.name!r}; add simulate.gpus.{sim.compute}."
-                          f"{cfg.model.name}=<samples/s> or use simulate.compute=measured")
-    throughput = sim.gpus[sim.compute][cfg.model.name]
-    if isinstance(throughput, bool) or not isinstance(throughput, (int, float)) or throughput <= 0:
+                          f"GPU of conf/gpu/: {', '.join(table)}")
+    table[sim.compute].flop_s(sim.precision)  # it has the unit asked for
+    throughput = sim.gpus.get(sim.compute, {}).get(cfg.model.name)
+    if throughput is not None and (isinstance(throughput, bool) or not isinstance(
+            throughput, (int, float)) or not 0 < throughput < math.inf):
         raise ConfigError(f"simulate.gpus.{sim.compute}.{cfg.model.name}={throughput!r} is "
                           "invalid; it must be a number of samples/s > 0")
-    balance = sim.flop_per_byte.get(sim.compute)
-    if balance is None:
-        raise ConfigError(f"simulate.flop_per_byte has no value for GPU {sim.compute!r}; add "
-                          f"+simulate.flop_per_byte.{sim.compute}=<its peak FP32 FLOP/s over its "
-                          "memory's bytes/s> (the 2080 Ti's: 13.45e12 / 616e9 = 21.8)")
-    if (isinstance(balance, bool) or not isinstance(balance, (int, float))
-            or not 0 < balance < math.inf):
-        raise ConfigError(f"simulate.flop_per_byte.{sim.compute}={balance!r} is invalid; give "
-                          f"the GPU's peak FP32 FLOP/s over its memory's bytes/s, e.g. "
-                          f"simulate.flop_per_byte.{sim.compute}=21.8 (13.45e12 / 616e9)")
 
 
 def _check_profile_gpus(cfg: Config) -> None:
@@ -245,10 +239,13 @@ def _check_profile_gpus(cfg: Config) -> None:
     need, have = profile_processes(cfg), torch.cuda.device_count()
     if have == 0:
         raise ConfigError("simulate.compute=measured with cluster.device=cuda profiles on a "
-                          "GPU, and this machine shows none; use cluster.device=cpu or auto")
+                          "GPU, and this machine shows none; use cluster.device=cpu or auto "
+                          "to profile here, or predict GPUs with simulate.compute=<gpu> "
+                          f"({', '.join(gpus.table())}: conf/gpu/)")
     if need > have:
         raise ConfigError(
             f"simulate.compute=measured profiles the {need} workers of cluster.nodes="
             f"{cfg.cluster.nodes} x cluster.workers_per_node={cfg.cluster.workers_per_node} "
             f"at once, one GPU each, and this machine has {have} GPUs; lower them to {have} "
-            "workers at most, or profile on cluster.device=cpu")
+            "workers at most, predict them with simulate.compute=<gpu> (conf/gpu/), or "
+            "profile on cluster.device=cpu")

@@ -172,9 +172,10 @@ class MicrobenchConf:
 
 @dataclass
 class SimulateConf:
-    compute: str = "measured"   # measured (profile this machine) | a GPU named in `gpus`
+    compute: str = "measured"   # measured (profile this machine) | a GPU of conf/gpu/
+    precision: str = "fp32"     # the GPU's peak FLOP/s used: fp32 | tf32 | bf16
+    efficiency: float = 0.8     # share of its peaks a GPU reaches where no 1-GPU row says
     gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}
-    flop_per_byte: dict[str, Any] = field(default_factory=dict)  # GPU -> FLOP/s per byte/s
     # model -> the optimizer its `gpus` throughputs were measured with (others: the model's)
     gpus_optimizer: dict[str, Any] = field(default_factory=dict)
     engines: dict[str, Any] = field(default_factory=dict)  # the study's engines' host facts

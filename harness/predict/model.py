@@ -24,6 +24,9 @@ from methods.plan import Unit, credit_in_elements
 
 # -- one configuration -------------------------------------------------------------------
 
+BUSIEST = 4  # the resources a prediction's plan names with their busy time per iteration
+
+
 @dataclass(frozen=True)
 class Prediction:
     iteration_s: float
@@ -98,6 +101,8 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
                       "server engine" if "_engine" in busiest else "server link")
     plan = {**described, "units": len(units), "alpha_s": cost.alpha, "beta_s_per_byte": cost.beta,
             "busiest_link": busiest, "busy_s_per_iteration": busy,
+            "busiest_s": dict(sorted(((k, v / len(ends)) for k, v in comm.busy.items() if v),
+                                     key=lambda kv: -kv[1])[:BUSIEST]),
             "compute": compute.source, "network": net.name}
     samples = workers * cfg.model.local_batch_size
     return Prediction(iteration, samples / iteration, workers * compute.total_s / iteration,

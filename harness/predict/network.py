@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import config
+from harness.config import gpus
 from harness.config.frozen import Config
 from harness.measure import results
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
@@ -41,19 +42,47 @@ class Network:
     server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
 
 
+# The study's 4-GPU ring all-reduce on PCIe 3.0 (conf/network/ib100_rdma.yaml): 1.34 GB in
+# 441 ms, 4.56 GB/s of bus bandwidth, 29% of PCIe 3.0 x16's 15.75 GB/s each way (its GPUs
+# share the host's root complex). A fabric profile without an intra-node fact takes the
+# GPU's own link (conf/gpu/) at that measured share for PCIe, and at NVLINK_SHARE for
+# NVLink (assumed: not measured here or by the study).
+STUDY_INTRA = {"gpus": 4, "bytes": 1.34e9, "seconds": 0.441}
+PCIE_SHARE = 2 * 3 / 4 * STUDY_INTRA["bytes"] / STUDY_INTRA["seconds"] / 15.75e9
+NVLINK_SHARE = 0.75
+
+
 def network(cfg: Config) -> Network:
-    """The link model of `cfg.network`: a real network's facts, or the microbenchmark's fit."""
+    """The link model of `cfg.network`: a real network's facts, or the microbenchmark's fit.
+    A real network without an intra-node all-reduce fact (the fabrics) has the link of
+    the GPU of simulate.compute between a node's GPUs (the study's PCIe 3.0 for measured
+    compute)."""
     net = cfg.network
     if config.is_real_network(net):
         points = [(float(b), float(b) * 8 / (gbit * 1e9)) for b, gbit in net.inter_node.gbit_per_s]
         inter = least_squares(*zip(*points))
-        ar = net.intra_node.allreduce  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
-        beta = ar.seconds / (2 * (ar.gpus - 1) / ar.gpus * ar.bytes)
-        return Network(net.name, Cost(net.intra_node.alpha_s, beta), inter,
+        return Network(net.name, Cost(net.intra_node.alpha_s, _intra_beta(cfg)), inter,
                        net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
                        STUDY_SERVER_MEMORY_BYTES_PER_S)
     link = _microbench_link(cfg)
     return Network(net.name, link, link, "ring", False)
+
+
+def _intra_beta(cfg: Config) -> float:
+    """Seconds per byte on each link of a node's ring all-reduce: the network's fact, else
+    the GPU's link at its share."""
+    fact = cfg.network.intra_node.get("allreduce")
+    if fact is None and cfg.simulate.compute in gpus.table():
+        gpu = gpus.table()[cfg.simulate.compute]
+        share = NVLINK_SHARE if gpu.link.startswith("nvlink") else PCIE_SHARE
+        return 1 / (gpu.link_gb_per_s * 1e9 * share)
+    ar = fact or STUDY_INTRA  # a ring all-reduce: 2 (g - 1) / g of the bytes per link
+    return ar["seconds"] / (2 * (ar["gpus"] - 1) / ar["gpus"] * ar["bytes"])
+
+
+def key(cfg: Config) -> tuple[str, str]:
+    """What a sweep's network depends on: its profile and the GPU (its intra-node link)."""
+    return cfg.network.name, cfg.simulate.compute
 
 
 def _microbench_link(cfg: Config) -> Cost:

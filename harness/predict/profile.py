@@ -5,20 +5,23 @@ parameter-owning module's forward, the moment each gradient is ready during back
 and the optimizer step, timed by one of two clocks:
 
 - `counted`: each step's work, counted on the meta device (no memory, no compute):
-  its floating-point operations, plus the bytes moved by the operations that have none
-  (element-wise, normalizations, softmax, embeddings, the optimizer step) times the
-  named GPU's `simulate.flop_per_byte` (its peak FLOP/s per byte/s of memory), the
-  iteration scaled so that it takes `local_batch / throughput` seconds: the GPU
-  calibrated by nothing but its 1-GPU throughput on that model and its spec sheet.
+  its floating-point operations at the GPU's peak FLOP/s (at `simulate.precision`), plus
+  the bytes moved by the operations that have none (element-wise, normalizations,
+  softmax, embeddings, the optimizer step) at its memory's bytes/s, both from the GPU
+  table (conf/gpu/, harness.config.gpus), the sum over an efficiency: that of a measured
+  1-GPU throughput of the model on that GPU (a 1-GPU row of `simulate.calibrate`, else
+  `simulate.gpus`: the study's for its 2080 Ti), else `simulate.efficiency`
+  (`calibrated`: yes or no).
 - measured: wall-clock time on this machine's device, the median of a few iterations,
-  in as many processes at once as a local run has workers, so the slowdown of sharing
-  this machine's cores is in the profile; on GPUs each process on a GPU of its own, as
-  the launcher places workers (a profile needing more GPUs than there are is refused
-  before it starts: harness.config).
+  in one process; for a run of this machine's own (a local or emulated cluster on one
+  of its networks) in as many processes at once as it has workers, so the slowdown of
+  sharing its cores is in the profile; on GPUs each process on a GPU of its own, as the
+  launcher places workers (a profile needing more GPUs than there are is refused before
+  it starts: harness.config). A CPU profile of a GPU cluster says so (`unlike_device`).
 
 Counting BERT-Large takes seconds, so counted traces are kept in
 `$XDG_CACHE_HOME/ddlbench/` (default ~/.cache/ddlbench/), keyed by the model's
-family, build arguments, batch and optimizer, the GPU's FLOP/s per byte/s, the model and
+family, build arguments, batch and optimizer (one count serves every GPU), the model and
 counting code and the torch and transformers/torchvision versions. torch is imported
 only to count a model the cache lacks, or to measure.
 """
@@ -27,13 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from harness import config
+from harness.config import gpus
 from harness.config.cache import MODELS, cached
 from harness.config.frozen import Config, thaw
-from harness.config.ranks import num_servers, num_workers, profile_processes, torch_threads
+from harness.config.gpus import GPU
+from harness.config.ranks import num_servers, profile_processes, torch_threads
 from harness.predict import trace
 
 
@@ -48,6 +54,7 @@ class Compute:
     update_s: float           # the optimizer step of the whole model
     source: str
     byte_s: float = 0.0       # seconds per byte a memory-bound operation moves (0: not known)
+    calibrated: str = "no"    # yes: timed by a measurement of this model on this device
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> Compute:
@@ -66,63 +73,140 @@ class Compute:
         """Every step `factor` times longer (processes sharing too few cores)."""
         return Compute(self.sizes, [t * factor for t in self.backward_s], self.layer_of,
                        [(needs, t * factor) for needs, t in self.forward],
-                       self.update_s * factor, self.source, self.byte_s * factor)
+                       self.update_s * factor, self.source, self.byte_s * factor,
+                       self.calibrated)
 
 
-def counted(model_cfg: Config, *, throughput: float, gpu: str, flop_per_byte: float,
-            measured_with: Config | None = None) -> Compute:
-    """Steps timed by their counted work at the GPU's speed: the speed at which the
-    model's iteration stepping `measured_with` (the optimizer `throughput` was measured
-    with; None: the model's own) takes `local_batch / throughput` seconds. So a run of
-    another optimizer has its own step's work at the same speed; a byte a memory-bound
-    operation moves costs `flop_per_byte` FLOPs at that speed (`byte_s`)."""
-    work = _work(model_cfg, flop_per_byte)
-    base = work if measured_with is None else _work(model_cfg, flop_per_byte, measured_with)
-    factor = model_cfg.local_batch_size / throughput / base.total_s  # seconds per FLOP
-    scaled = work.scaled(factor)
-    return dataclasses.replace(scaled, source=f"counted:{gpu}", byte_s=factor * flop_per_byte)
+def counted(model_cfg: Config, *, gpu: GPU, precision: str, efficiency: float,
+            source: str = "", calibrated: str = "no") -> Compute:
+    """Steps timed by their counted work on `gpu`: each step's FLOPs at its peak FLOP/s
+    at `precision` plus its memory-bound bytes at its memory's bytes/s, the sum over
+    `efficiency` (the share of its peaks a real iteration reaches)."""
+    flops, moved = work(model_cfg)
+    flop_s, byte_s = gpu.flop_s(precision) * efficiency, gpu.byte_s * efficiency
+    return _combined(flops, moved, 1 / flop_s, 1 / byte_s,
+                     source or f"counted:{gpu.name}:{precision}", calibrated)
 
 
-def _work(model_cfg: Config, flop_per_byte: float, optimizer: Config | None = None
-          ) -> Compute:
-    """The iteration's work per step in FLOPs, its memory-bound bytes counted as
-    `flop_per_byte` FLOPs each (from the cache when there); stepping `optimizer`, by
+def efficiency(model_cfg: Config, *, gpu: GPU, precision: str, throughput: float,
+               measured_with: Config | None = None) -> float:
+    """The efficiency at which `model_cfg`'s iteration stepping `measured_with` (the
+    optimizer `throughput` was measured with; None: the model's own) takes `local_batch /
+    throughput` seconds on `gpu`: its time at the GPU's peaks over that."""
+    flops, moved = work(model_cfg, measured_with)
+    peak = _combined(flops, moved, 1 / gpu.flop_s(precision), 1 / gpu.byte_s, "", "")
+    return peak.total_s / (model_cfg.local_batch_size / throughput)
+
+
+def _combined(flops: Compute, moved: Compute, per_flop: float, per_byte: float,
+              source: str, calibrated: str) -> Compute:
+    """Each step's FLOPs times `per_flop` plus its bytes times `per_byte` (seconds)."""
+    return Compute(
+        flops.sizes, [f * per_flop + b * per_byte for f, b in zip(flops.backward_s,
+                                                                moved.backward_s)],
+        flops.layer_of, [(needs, f * per_flop + b * per_byte)
+                         for (needs, f), (_, b) in zip(flops.forward, moved.forward)],
+        flops.update_s * per_flop + moved.update_s * per_byte, source, per_byte, calibrated)
+
+
+def work(model_cfg: Config, optimizer: Config | None = None) -> tuple[Compute, Compute]:
+    """The iteration's FLOPs and memory-bound bytes per step (from the cache when there:
+    one count per model, batch and optimizer serves every GPU); stepping `optimizer`, by
     default the model's."""
     build = thaw(model_cfg.build)
     optimizer = thaw(model_cfg.optimizer if optimizer is None else optimizer)
-    key = [model_cfg.family, build, model_cfg.local_batch_size, optimizer, flop_per_byte]
-    return Compute.of(cached(
-        "work", key, lambda: trace.count_work(
-            model_cfg.family, build, batch=model_cfg.local_batch_size, optimizer=optimizer,
-            flop_per_byte=flop_per_byte),
-        sources=(MODELS, ("harness/predict", "trace.py"), ("harness/measure", "bench.py"))))
+    key = [model_cfg.family, build, model_cfg.local_batch_size, optimizer]
+    text = json.dumps(key, sort_keys=True)
+    if text not in _WORK:
+        _WORK[text] = cached(
+            "work2", key, lambda: trace.count_work(
+                model_cfg.family, build, batch=model_cfg.local_batch_size, optimizer=optimizer),
+            sources=(MODELS, ("harness/predict", "trace.py"), ("harness/measure", "bench.py")))
+    data = _WORK[text]
+    return Compute.of(data["flops"]), Compute.of(data["bytes"])
+
+
+_WORK: dict[str, dict] = {}  # this process's counts, by key
 
 
 class ComputeProfiles:
-    """Each model's compute, profiled once per simulation."""
+    """Each model's compute, profiled once per simulation. `measured`: per GPU of the
+    table and model, a measured 1-GPU throughput and the model it ran (a row of
+    `simulate.calibrate`), which calibrates that GPU's efficiency on that model before
+    `simulate.gpus` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, measured: dict[tuple[str, str], tuple[Config, float]] | None = None
+                 ) -> None:
         self.cache: dict[tuple, Compute] = {}
+        self.measured = measured or {}
 
     def __call__(self, cfg: Config) -> Compute:
         sim, model = cfg.simulate, cfg.model
         if sim.compute != "measured":
-            key = (config.to_json(model), sim.compute, sim.flop_per_byte[sim.compute])
+            key = (config.to_json(model), sim.compute, sim.precision)
             if key not in self.cache:
-                self.cache[key] = counted(
-                    model, throughput=sim.gpus[sim.compute][model.name], gpu=sim.compute,
-                    flop_per_byte=sim.flop_per_byte[sim.compute],
-                    measured_with=sim.gpus_optimizer.get(model.name))
+                self.cache[key] = self._on_gpu(cfg)
             return self.cache[key]
-        threads = torch_threads(cfg, num_workers(cfg) + num_servers(cfg))  # as a run gets
-        # every worker of a local or emulated cluster runs on this machine: profile as many
-        # processes at once, so the profile has their sharing of its cores in it
+        # a run of this machine's own has every worker here: profile as many processes at
+        # once, so the profile has their sharing of its cores in it; any other cluster, one
         together = profile_processes(cfg)
+        local = together + num_servers(cfg) if together > 1 else 1
+        threads = torch_threads(cfg, local)  # as a run's worker gets
         key = (config.to_json(model), threads, together)
         if key not in self.cache:
             print(f"profiling {model.name} on this machine ({together} process(es) of "
                   f"{threads} thread(s))...", flush=True)
-            self.cache[key] = Compute.of(trace.measure(
+            measured = Compute.of(trace.measure(
                 model, processes=together, threads=threads, iters=sim.profile_iters,
                 device=config.resolve_device(cfg.cluster), seed=cfg.run.seed))
+            self.cache[key] = dataclasses.replace(
+                measured, calibrated="no" if unlike_device(cfg) else "yes")
         return self.cache[key]
+
+    def _on_gpu(self, cfg: Config) -> Compute:
+        """The model's counted work on the GPU of simulate.compute, at the efficiency of a
+        measured 1-GPU throughput of it (a row of simulate.calibrate, else simulate.gpus),
+        or else at simulate.efficiency; says which in one line."""
+        sim, model = cfg.simulate, cfg.model
+        gpu = gpus.table()[sim.compute]
+        row = self.measured.get((gpu.name, model.name))
+        given = sim.gpus.get(gpu.name, {}).get(model.name)
+        if row is not None:
+            eff = efficiency(row[0], gpu=gpu, precision=sim.precision, throughput=row[1])
+            how = f"calibrated by a measured 1-GPU row ({row[1]:.1f} samples/s)"
+        elif given is not None:
+            eff = efficiency(model, gpu=gpu, precision=sim.precision, throughput=given,
+                             measured_with=sim.gpus_optimizer.get(model.name))
+            how = f"calibrated by simulate.gpus.{gpu.name}.{model.name}={given:g} samples/s"
+        else:
+            eff = sim.efficiency
+            how = ("not calibrated: simulate.efficiency; calibrate it with simulate.calibrate="
+                   "<a results folder with a 1-GPU harness.run row of it>")
+        calibrated = "no" if row is None and given is None else "yes"
+        if eff > 1:  # faster than the spec sheet allows: measured at another precision?
+            how += (f"; above its {sim.precision} peaks: was it measured at another precision"
+                    " (run.tf32_matmul, simulate.precision)?")
+        print(f"compute: {model.name} on {gpu.name} ({sim.precision}: "
+              f"{gpu.flop_s(sim.precision) / 1e12:g} TFLOP/s, {gpu.memory_gb_per_s:g} GB/s, "
+              f"conf/gpu/{gpu.name}.yaml) at {eff:.0%} of its peaks, {how}", flush=True)
+        return counted(model, gpu=gpu, precision=sim.precision, efficiency=eff,
+                       calibrated=calibrated)
+
+
+def unlike_device(cfg: Config) -> str | None:
+    """Why measured compute comes from a device unlike the one predicted (a CPU profile of
+    a GPU cluster: cluster=slurm, a real network, cluster.device=cuda), else None."""
+    if cfg.simulate.compute != "measured":
+        return None
+    if config.resolve_device(cfg.cluster) != "cpu":
+        return None
+    if cfg.cluster.device == "cuda":
+        why = "cluster.device=cuda"
+    elif config.is_real_network(cfg.network):
+        why = f"network={cfg.network.name} is a GPU cluster's"
+    elif cfg.cluster.name == "slurm":
+        why = "cluster=slurm"
+    else:
+        return None
+    return (f"the compute of this prediction is measured on this machine's CPU, but {why}: "
+            f"predict GPUs with simulate.compute=<gpu> ({', '.join(gpus.table())}: conf/gpu/)")

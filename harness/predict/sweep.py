@@ -24,6 +24,7 @@ from harness.measure.progress import Progress
 from harness.predict import profile
 from harness.predict.model import Prediction, predict
 from harness.predict.network import Network, network
+from harness.predict.network import key as network_key
 from harness.predict.timeline import predict_traced
 
 LINES = 300  # sweeps up to this size print a line per configuration; bigger ones, progress
@@ -45,8 +46,10 @@ def row(cfg: Config, pred: Prediction, compute: profile.Compute, *, run_id: str,
         "throughput_study": pred.throughput, "timed_s": pred.iteration_s * cfg.run.timed_iters,
         "forward_s": compute.forward_s, "backward_s": sum(compute.backward_s),
         "comm_s": pred.exposed_s, "update_s": compute.update_s, "status": "ok",
-        "device": compute.source, "plan_json": json.dumps({**pred.plan,
-                                                           "bottleneck": pred.bottleneck}),
+        "device": compute.source, "plan_json": json.dumps({
+            **pred.plan, "bottleneck": pred.bottleneck, "compute": compute.source,
+            "calibrated": compute.calibrated}),
+        "compute": compute.source, "calibrated": compute.calibrated,
         "speedup": pred.speedup, "bottleneck": pred.bottleneck, "iteration_s": pred.iteration_s,
         "hidden_s": pred.hidden_s, "messages": pred.messages, "one": 1.0,
         "samples": num_workers(cfg) * cfg.model.local_batch_size,
@@ -58,18 +61,19 @@ class Inputs:
     """What a sweep's predictions need beside the configurations: the networks, and each
     configuration's compute."""
 
-    networks: dict[str, Network]
+    networks: dict[tuple[str, str], Network]  # by network_key
     computes: list[profile.Compute]
 
 
-def inputs(cfgs: list[Config]) -> Inputs:
+def inputs(cfgs: list[Config], *, measured: dict | None = None) -> Inputs:
     """The networks and the compute first (a missing microbenchmark stops it before any
-    profiling; measured compute runs here, one model at a time)."""
-    networks: dict[str, Network] = {}
+    profiling; measured compute runs here, one model at a time); `measured`: 1-GPU
+    throughputs that calibrate GPUs of the table (profile.ComputeProfiles)."""
+    networks: dict[tuple[str, str], Network] = {}
     for cfg in cfgs:
-        if cfg.network.name not in networks:
-            networks[cfg.network.name] = network(cfg)
-    profiles = profile.ComputeProfiles()
+        if network_key(cfg) not in networks:
+            networks[network_key(cfg)] = network(cfg)
+    profiles = profile.ComputeProfiles(measured)
     return Inputs(networks, [profiles(cfg) for cfg in cfgs])
 
 
@@ -92,7 +96,7 @@ class _Sweep:
 
     cfgs: list[Config]
     computes: list[profile.Compute]
-    networks: dict[str, Network]
+    networks: dict[tuple[str, str], Network]
     run_id: str
     stack: dict
     slowdown: dict[str, float]
@@ -103,7 +107,7 @@ class _Sweep:
                 for cfg, compute in zip(self.cfgs[slice(*bounds)], self.computes[slice(*bounds)])]
 
     def predict(self, cfg: Config, compute: profile.Compute) -> Prediction:
-        net, slowdown = self.networks[cfg.network.name], self.slowdown.get(cfg.method.name, 0.0)
+        net, slowdown = self.networks[network_key(cfg)], self.slowdown.get(cfg.method.name, 0.0)
         if not cfg.simulate.trace:
             return predict(cfg, compute, net, slowdown=slowdown)
         pred, path = predict_traced(cfg, compute, net, run_id=self.run_id, slowdown=slowdown)
@@ -183,23 +187,26 @@ def write(frame: pd.DataFrame, uncalibrated: pd.DataFrame, costs: dict, results_
 # -- the best method per cell ------------------------------------------------------------
 
 def best(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per model, network and GPU count: the fastest configuration (its method, and its
+    """Per model, compute (the GPU or profile: where a sweep's rows name it), network and
+    GPU count: the fastest configuration (its method, and its
     nodes x workers per node where the sweep has several shapes), the methods that tie
     with it (within 1e-9, joined by "="; the model predicts bytescheduler_ps as wfbp_ps,
     and on one GPU nothing is sent), the fastest other method and the margin over it in %
     (empty where the cell has one method)."""
-    ranked = frame.sort_values([*CELL, "throughput", "method"],
-                               ascending=[True] * len(CELL) + [False, True], kind="stable")
-    top = ranked.drop_duplicates(CELL)[[*CELL, "method", "nodes", "workers_per_node",
-                                        "throughput", "speedup", "bottleneck"]]
-    both = ranked[[*CELL, "method", "throughput"]].merge(
-        top[[*CELL, "method", "throughput"]], on=CELL, suffixes=("", "_top"))
+    cell = ["model", "compute", "network", "world_size"] if "compute" in frame else CELL
+    ranked = frame.sort_values([*cell, "throughput", "method"],
+                               ascending=[True] * len(cell) + [False, True], kind="stable")
+    top = ranked.drop_duplicates(cell)[[*cell, "method", "nodes", "workers_per_node",
+                                        "throughput", "speedup", "bottleneck",
+                                        *["calibrated"] * ("calibrated" in frame)]]
+    both = ranked[[*cell, "method", "throughput"]].merge(
+        top[[*cell, "method", "throughput"]], on=cell, suffixes=("", "_top"))
     tied = (both[both.throughput >= both.throughput_top * (1 - 1e-9)]
-            .groupby(CELL).method.agg(lambda m: "=".join(sorted(set(m)))).rename("tied"))
-    second = (both[both.method != both.method_top].drop_duplicates(CELL)
+            .groupby(cell).method.agg(lambda m: "=".join(sorted(set(m)))).rename("tied"))
+    second = (both[both.method != both.method_top].drop_duplicates(cell)
               .rename(columns={"method": "runner_up", "throughput": "runner_up_throughput"}))
-    out = top.merge(tied, on=CELL).merge(second[[*CELL, "runner_up", "runner_up_throughput"]],
-                                         on=CELL, how="left")
+    out = top.merge(tied, on=cell).merge(second[[*cell, "runner_up", "runner_up_throughput"]],
+                                         on=cell, how="left")
     out["margin_pct"] = 100 * (out.throughput / out.runner_up_throughput - 1)
     return (out.drop(columns="runner_up_throughput").rename(columns={"world_size": "gpus"})
             .reset_index(drop=True))
@@ -209,7 +216,11 @@ def summary(winners: pd.DataFrame) -> str:
     """One line per model and network: the GPU counts where each method is best, in runs
     (`1 any of 5, 2-8 bytescheduler_ps=wfbp_ps, 9-64 mgwfbp`)."""
     lines = []
-    for (model, net), cells in winners.groupby(["model", "network"], sort=True):
+    several = "compute" in winners and winners.compute.nunique() > 1  # GPUs: name each
+    by = ["model", "compute", "network"] if several else ["model", "network"]
+    for key, cells in winners.groupby(by, sort=True):
+        model, net = key[0], key[-1]
+        on = f" ({key[1]})" if len(key) == 3 else ""
         runs: list[list] = []  # [first GPUs, last GPUs, method]
         for gpus, tied in zip(cells.gpus, cells.tied):
             method = tied if tied.count("=") < 3 else f"any of {tied.count('=') + 1}"
@@ -218,5 +229,5 @@ def summary(winners: pd.DataFrame) -> str:
             else:
                 runs.append([gpus, gpus, method])
         spans = ", ".join(f"{a}{f'-{b}' if b != a else ''} {m}" for a, b, m in runs)
-        lines.append(f"  {model} on {net} (GPUs: best method): {spans}")
+        lines.append(f"  {model}{on} on {net} (GPUs: best method): {spans}")
     return "\n".join(lines)

@@ -5,10 +5,10 @@ One trace gives the steps of an iteration: each parameter-owning module's forwar
 execution order, with the layers its forward needs), the moment each gradient is ready
 during backward (backward order, as the methods lay gradients out) and the optimizer
 step, stamped by a clock: work counted on the meta device (`count_work`, a cache
-miss: FLOPs, plus the bytes that operations without FLOPs move, weighed by a GPU's
-FLOP/s per byte/s), or wall-clock time on this machine's device (`measure`: on a GPU
-CUDA events, read once each iteration is over, so nothing waits inside it; each of
-several processes on a GPU of its own, as the launcher places workers). Each returns
+miss: FLOPs, and apart from them the bytes that operations without FLOPs move), or
+wall-clock time on this machine's device (`measure`: on a GPU CUDA events, read once
+each iteration is over, so nothing waits inside it; each of several processes on a GPU
+of its own, as the launcher places workers). Each returns
 the fields of profile.Compute as a dict (what the cache keeps). torch, the
 models and the methods' torch side are imported inside the functions, so the predictor
 imports this module without them.
@@ -87,13 +87,14 @@ _FREE = ("aten.empty", "aten.new_empty", "aten._unsafe_view", "aten.detach", "at
 
 
 def count_work(family: str, build: Mapping[str, Any], *, batch: int,
-               optimizer: Mapping[str, Any], flop_per_byte: float) -> dict[str, Any]:
+               optimizer: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """A steady-state iteration of a `batch` (the optimizer's state made by one before it)
-    counted on the meta device, each step's work in FLOPs plus `flop_per_byte` times the
-    bytes read and written by the operations that count no FLOPs: element-wise ones,
-    normalizations, softmax, dropout, embeddings, the optimizer's step. A GPU runs those at
-    its memory's speed, the matrix products at its arithmetic's, so `flop_per_byte` is its
-    peak FLOP/s over its memory's bytes/s."""
+    counted on the meta device, twice over: `flops`, each step's floating-point
+    operations, and `bytes`, the bytes read and written by the operations that count no
+    FLOPs (element-wise ones, normalizations, softmax, dropout, embeddings, the
+    optimizer's step). A GPU runs the first at its arithmetic's speed, the second at its
+    memory's; both clocks advance with the same events, so a step's time on any GPU is
+    its FLOPs over the GPU's FLOP/s plus its bytes over its bytes/s."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -129,9 +130,15 @@ def count_work(family: str, build: Mapping[str, Any], *, batch: int,
         opt.zero_grad(set_to_none=False)
     counter = FlopCounterMode(display=False)
     with counter, MemoryBytes(counter) as moved:
-        trace = _trace(model, data,
-                       lambda: counter.get_total_flops() + flop_per_byte * moved.total, opt)
-    return _steps(model, *trace, scale=1.0, source="counted")
+        ends, ready, marks = _trace(
+            model, data, lambda: (counter.get_total_flops(), moved.total), opt)
+    def part(i: int, stamp) -> float:  # a gradient no hook stamped is ready at 0.0
+        return stamp[i] if isinstance(stamp, tuple) else stamp
+
+    return {kind: _steps(model, [(n, part(i, t)) for n, t in ends],
+                         [part(i, r) for r in ready], [part(i, m) for m in marks],
+                         scale=1.0, source="counted")
+            for i, kind in enumerate(("flops", "bytes"))}
 
 
 def measure(model_cfg: Mapping[str, Any], *, processes: int, threads: int, iters: int,
