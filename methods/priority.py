@@ -116,7 +116,6 @@ class Priority:
             self.credit = math.inf
         self.order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
         self.order = self.order(transport.group) if self.order and ordered else None
-        self.device = buffer.flat.device
         self.cond = threading.Condition()
         self.heap: list[tuple[tuple[int, int], int]] = []  # ready here, by priority
         # GPU: (parameter, its gradient's event), hooked but not yet seen to have happened,
@@ -131,7 +130,7 @@ class Priority:
         self.hooks = [p.register_post_accumulate_grad_hook(meter.hook(self._hook(i), i))
                       for i, p in enumerate(buffer.params)]
         issue = self._follow if self.role == "follower" else self._issue
-        device = self.device
+        self.device = device = buffer.flat.device
         self.threads = [start_thread(self._guard(loop), name=name, device=device,
                                      stream=side_stream(device, name))
                         for loop, name in ((issue, "issuer"), (self._complete, "completer"))]
@@ -162,16 +161,7 @@ class Priority:
     # -- gradient hooks (main thread, during backward) -----------------------------------
 
     def _hook(self, i: int):
-        def ready(_param: torch.Tensor) -> None:
-            self._mark(i)
-
-        if not self.hook_delay_s:
-            return ready
-
-        def delayed(param: torch.Tensor) -> None:
-            self.delay()
-            ready(param)
-        return delayed
+        return self.delay.wrap(lambda _param: self._mark(i))
 
     def _mark(self, i: int) -> None:
         """Parameter `i`'s gradient is in the buffer (autograd added it into its view, after

@@ -122,14 +122,7 @@ class OnReady(AfterBackward):
             missing[u] -= 1
             if missing[u] == 0:
                 self._issue(u)
-
-        if not self.hook_delay_s:
-            return ready
-
-        def delayed(param: torch.Tensor) -> None:
-            self.delay()
-            ready(param)
-        return delayed
+        return self.delay.wrap(ready)
 
     def _issue(self, u: int) -> None:
         if not self.transport.ordered:
