@@ -17,7 +17,9 @@ torch's reducer with its own buckets):
 - a `.grad` set to None behind the method's back is refused with a one-line error;
 - `peak_memory_bytes` (harness.measure.bench.peak_memory) of `bsp_a2a` on two workers,
   on a model whose gradients dominate, grows by far less than one model's gradients
-  during training (before: every fresh gradient and the buffer beside it).
+  during training (before: every fresh gradient and the buffer beside it);
+- the all-reduce leaves the sum on Gloo, which the scheduler divides by the workers, and
+  the average on NCCL (ReduceOp.AVG, no pass of ours; its backend faked here).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import collections
 import copy
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
 from harness.measure.bench import peak_memory
+from methods.allreduce import AllreduceTransport
 from tests.conftest import REPO
 from tests.test_methods import ONE_PROCESS, _first_uses, _free_port, _spawn, _Tiny
 
@@ -164,7 +168,11 @@ def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
     grown = peak_memory(torch.device("cpu")) - before
     method.close()
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    Path(f"{out}.{rank}").write_text(json.dumps({"grown": grown, "grads": grads}))
+    gloo = AllreduceTransport()
+    with mock.patch.object(dist, "get_backend", return_value="nccl"):  # the GPU-only line
+        nccl = AllreduceTransport()
+    ops = [[t.scale, t.options.reduceOp == dist.ReduceOp.AVG] for t in (gloo, nccl)]
+    Path(f"{out}.{rank}").write_text(json.dumps({"grown": grown, "grads": grads, "ops": ops}))
     dist.destroy_process_group()
 
 
@@ -180,3 +188,5 @@ def test_peak_memory_holds_one_copy_of_the_gradients(tmp_path: Path) -> None:
     for rank in (0, 1):
         got = json.loads(Path(f"{out}.{rank}").read_text())
         assert got["grown"] < got["grads"] / 2, (rank, got)
+        # Gloo sums and the scheduler divides; NCCL averages in the reduction itself
+        assert got["ops"] == [[0.5, False], [1.0, True]], got["ops"]
