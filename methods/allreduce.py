@@ -1,4 +1,5 @@
-"""All-reduce transport: a sum on a torch.distributed group of gradients pre-scaled by 1 / size."""
+"""All-reduce transport: the workers' average of a chunk of the flat gradient buffer, in place:
+NCCL's AVG on GPUs, a sum on Gloo (which has no AVG) that the scheduler scales by 1 / size."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ class _Pending:
 
 
 class AllreduceTransport:
-    """Sums a chunk over the workers' group asynchronously; `wait` leaves the average.
+    """Reduces a chunk over the workers' group asynchronously, in place.
 
-    Gradients enter the buffer already divided by the group size (`scale`, in
-    the same pass that copies them there, as DDP does), so the sum is the
-    average. Collectives are matched by issue order, so `ordered` tells the
-    scheduler to issue them in one order on every rank.
+    The chunk holds this worker's gradients (autograd wrote them into the flat buffer).
+    NCCL averages in the reduction itself (ReduceOp.AVG: `scale` 1); Gloo has no AVG, so
+    it sums and the scheduler multiplies by `scale` = 1 / size before the update, in place
+    (a sum then a division: the reference's own order). Collectives are matched by issue
+    order, so `ordered` tells the scheduler to issue them in one order on every rank.
     """
 
     ordered = True
@@ -46,13 +48,14 @@ class AllreduceTransport:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.identity = self.size == 1  # one worker's gradient is already the average
-        self.scale = 1.0 / self.size
+        averages = dist.get_backend(group) == "nccl"  # GPU: NCCL's AVG, no pass of ours
+        self.scale = 1.0 if averages else 1.0 / self.size  # CPU: Gloo sums
         self.timeout_s = 300.0 if timeout_s is None else timeout_s
         # what dist.all_reduce(chunk, group=group, async_op=True) calls after its checks,
         # made once: its per-call Python (about 10 us here) is paid per unit, in a hook
         self.process_group = group if group is not None else dist.group.WORLD
         self.options = dist.AllreduceOptions()
-        self.options.reduceOp = dist.ReduceOp.SUM
+        self.options.reduceOp = dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
         self.options.asyncOp = True
 
     def open(self, buffer: GradBuffer, units: list[Unit]) -> None:

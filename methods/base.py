@@ -158,13 +158,14 @@ def until_completed(work: Any, *, timeout_s: float, what: str) -> None:
 
 
 class Transport(Protocol):
-    """Moves a gradient chunk and leaves it averaged over the workers, in place.
+    """Moves a gradient chunk and leaves it reduced over the workers, in place.
 
-    The chunk holds this worker's gradients times `scale` (GradBuffer applies it
-    while gathering them): 1 / workers for a collective that sums, 1 for one
-    that averages itself. `ordered` transports (collectives) match messages by
-    issue order, so every rank must start the same chunks in the same order;
-    unordered ones (PS) match them by key. `open` learns the plan's units before
+    The chunk holds this worker's gradients (autograd's sum, in the flat buffer); `wait`
+    leaves the workers' sum, or their average where the reduction averages itself (NCCL's
+    AVG, Horovod's Average). `scale` is what the scheduler multiplies the result by
+    before the update: 1 / workers after a sum, 1 after an average. `ordered` transports
+    (collectives) match messages by issue order, so every rank must start the same chunks
+    in the same order; unordered ones (PS) match them by key. `open` learns the plan's units before
     the first `start` of them (`key` is the unit's index); `close` ends that plan.
     """
 
@@ -237,24 +238,26 @@ class Method(ABC):
 
 
 class GradBuffer:
-    """One flat buffer that every gradient is gathered into, laid out in backward order.
+    """One flat buffer that every gradient lives in, laid out in backward order.
 
-    Between iterations `.grad` is None, so autograd writes each gradient into a
-    fresh tensor (no zeroing, no accumulation pass); `collect(i)` then copies it
-    into its slice, times `scale`, and points `.grad` at that slice, so the
-    communicated result is what the optimizer reads. That is one pass over the
-    gradients, as DDP's copy into its buckets. Every communication unit is a
-    contiguous slice: a bucket, one tensor, a merged group or a partition are all
+    From construction on, each parameter's `.grad` is a view of its slice of the buffer,
+    so autograd accumulates every gradient into the buffer in place (no copy, no second
+    gradient tensor) and the communicated result is what the optimizer reads, as DDP's
+    `gradient_as_bucket_view`. The buffer holds this worker's sum of gradients: the
+    reduction leaves the sum over the workers, and the scheduler multiplies by the
+    transport's `scale` (1 / workers, or 1 where the reduction averages itself) before the
+    update. `zero()` zeroes the buffer between iterations and keeps the views; anything
+    that sets a `.grad` to None (optimizer.zero_grad(), model.zero_grad()) breaks the
+    link, and the next gradient hook (or synchronize) refuses it. Every communication unit
+    is a contiguous slice: a bucket, one tensor, a merged group or a partition are all
     (start, end).
     """
 
-    def __init__(self, params: list[nn.Parameter], *, scale: float = 1.0,
-                 names: list[str] | None = None) -> None:
+    def __init__(self, params: list[nn.Parameter], *, names: list[str] | None = None) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters must share one dtype, got {sorted(map(str, dtypes))}")
         self.params = params
-        self.scale = scale
         self.names = names or [str(i) for i in range(len(params))]  # PS keys follow them
         self.sizes = [p.numel() for p in params]
         self.rows = [p.shape[0] if p.dim() else 1 for p in params]  # size along dimension 0
@@ -262,38 +265,67 @@ class GradBuffer:
         self.flat = torch.zeros(sum(self.sizes), dtype=params[0].dtype, device=params[0].device)
         self.views = [self.flat[off : off + n].view_as(p)
                       for p, off, n in zip(params, self.offsets, self.sizes)]
-        self.collected = [False] * len(params)
-        self.release_all()
+        self.none_ready = [False] * len(params)
+        self.ready = list(self.none_ready)
+        self.attach()
 
-    def collect(self, i: int) -> None:
-        """Move parameter `i`'s new gradient (zeros if it got none) into its slice, scaled."""
-        p, view = self.params[i], self.views[i]
-        if self.collected[i]:
-            raise RuntimeError(f"parameter {i} (backward order) got a second gradient in one "
-                               "iteration; call zero_grad() between iterations")
-        if p.grad is None:
-            view.zero_()
-        elif self.scale == 1.0:
-            view.copy_(p.grad)
-        else:
-            torch.mul(p.grad, self.scale, out=view)
-        p.grad = view
-        self.collected[i] = True
+    def attach(self) -> None:
+        """Point every `.grad` at its view (before the first backward)."""
+        for p, view in zip(self.params, self.views):
+            p.grad = view
 
-    def collect_missing(self, indices: Iterable[int]) -> None:
-        """Collect those of `indices` that got no gradient this iteration: zeros."""
+    def detach(self) -> None:
+        """Drop the views that are still attached (the method is closed)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is view:
+                p.grad = None
+
+    def mark(self, i: int) -> None:
+        """Parameter `i`'s gradient is in the buffer (its hook ran): a flag, no copy."""
+        if self.ready[i] or self.params[i].grad is not self.views[i]:
+            self.refuse(i)
+        self.ready[i] = True
+
+    def check(self, i: int) -> None:
+        """Raise unless parameter `i`'s `.grad` is still its view of the buffer."""
+        if self.params[i].grad is not self.views[i]:
+            self.refuse(i)
+
+    def check_all(self) -> None:
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                self.refuse(self.params.index(p))
+
+    def refuse(self, i: int) -> None:
+        """The RuntimeError for a gradient that did not land in the buffer once."""
+        if self.params[i].grad is not self.views[i]:
+            raise RuntimeError(f"the .grad of parameter {self.names[i]!r} is no longer its view "
+                               "of the method's gradient buffer (set to None or replaced, e.g. "
+                               "by optimizer.zero_grad()); call method.zero_grad() instead")
+        raise RuntimeError(f"parameter {self.names[i]!r} got a second gradient in one "
+                           "iteration; call method.zero_grad() between iterations")
+
+    def scale(self, factor: float, indices: Iterable[int] | None = None) -> None:
+        """Multiply the gradients (all, or those of `indices`) by `factor` in place: the
+        reduced sum becomes the average (nothing to do for a factor of 1)."""
+        if factor == 1.0:
+            return
+        if indices is None:
+            self.flat.mul_(factor)
+            return
         for i in indices:
-            if not self.collected[i]:
-                self.collect(i)
+            self.views[i].mul_(factor)
 
-    def release(self, i: int) -> None:
-        """Parameter `i`'s gradient is consumed: the next backward writes a fresh one."""
-        self.params[i].grad = None
-        self.collected[i] = False
-
-    def release_all(self) -> None:
-        for i in range(len(self.params)):
-            self.release(i)
+    def zero(self, indices: Iterable[int] | None = None) -> None:
+        """Zero the gradients (all, or those of `indices`) for the next backward; the views
+        stay attached."""
+        if indices is None:
+            self.flat.zero_()
+            self.ready[:] = self.none_ready
+            return
+        for i in indices:
+            self.views[i].zero_()
+            self.ready[i] = False
 
     def slice(self, start: int, end: int) -> torch.Tensor:
         return self.flat[start:end]

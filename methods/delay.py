@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 class HookDelay:
@@ -20,3 +22,13 @@ class HookDelay:
     def __call__(self) -> None:
         if self.max_s:
             time.sleep(self.rng.uniform(0.0, self.max_s))
+
+    def wrap(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """`hook` itself when off (nothing added to a call), else `hook` after the delay."""
+        if not self.max_s:
+            return hook
+
+        def delayed(*args: Any) -> Any:
+            self()
+            return hook(*args)
+        return delayed

@@ -52,7 +52,7 @@ class Engine(Method):
             self.active = _StepAside(backward_order(model))
             return model
         names, params = zip(*backward_named(model))
-        self.buffer = GradBuffer(list(params), scale=self.transport.scale, names=list(names))
+        self.buffer = GradBuffer(list(params), names=list(names))  # .grad now views of it
         units = self.planner.plan(self.buffer.sizes, element_size=self._element_size(),
                                   rows=self.buffer.rows)
         if getattr(self.planner, "profile_iters", 0):
@@ -120,6 +120,8 @@ class Engine(Method):
         if self.profiler is not None:
             self.profiler.close()
         self.transport.close()
+        if self.buffer is not None:
+            self.buffer.detach()  # the model no longer holds the buffer through its .grad
 
     def plan(self) -> dict[str, Any]:
         return {"method": self.name, **self.transport.describe(), **self.planner.describe(),

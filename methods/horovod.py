@@ -62,11 +62,12 @@ class _Pending:
 
 
 class HorovodTransport:
-    """Sums a chunk over every worker with hvd.allreduce_async_; `wait` leaves the average.
+    """Averages a chunk over every worker with hvd.allreduce_async_ (op Average: Horovod
+    divides in its own reduction, `scale` 1); `wait` leaves the average in place.
 
-    Gradients enter the buffer already divided by the worker count (`scale`), so the
-    sum is the average, as on the native all-reduce. Horovod must be initialized in
-    this process with the workers as its ranks (harness.horovod.start).
+    The chunk holds this worker's gradients (autograd wrote them into the flat buffer).
+    Horovod must be initialized in this process with the workers as its ranks
+    (harness.horovod.start).
     """
 
     ordered = False  # Horovod matches units by name: any issue order is fine
@@ -87,7 +88,7 @@ class HorovodTransport:
                                f"this worker's rank {self.rank} of {self.size}; start Horovod "
                                "on the workers' group")
         self.identity = self.size == 1  # one worker's gradient is already the average
-        self.scale = 1.0 / self.size
+        self.scale = 1.0  # Horovod's Average divides (its postscale), nothing left to us
         self.timeout_s = 300.0 if timeout_s is None else timeout_s
         self.plans = 0
 
@@ -99,7 +100,7 @@ class HorovodTransport:
         if self.size == 1:
             return Done()
         name = f"ddlbench.plan{self.plans}.unit{key}"  # the same unit has it on every rank
-        handle = self.hvd.allreduce_async_(chunk, name=name, op=self.hvd.Sum)
+        handle = self.hvd.allreduce_async_(chunk, name=name, op=self.hvd.Average)
         return _Pending(self.hvd, handle, name=name, timeout_s=self.timeout_s)
 
     def close(self) -> None:

@@ -5,8 +5,8 @@ with `call`, and a method times its gradient hooks (`hook`: they run inside back
 and its blocking waits for communication (`wait`: inside a call, or a forward pre-hook
 that waits for an update). A call's host time is its time less the waits inside it, so
 
-    host_s: the method's own code on the training thread (hooks, scheduling, copies
-            into the flat buffer, issuing units, the update path outside the user's
+    host_s: the method's own code on the training thread (hooks, scheduling, zeroing
+            and averaging the flat buffer, issuing units, the update path outside the user's
             optimizer.step, which the harness times as update_s);
     wait_s: the training thread blocked until communication or an update was done.
 

@@ -97,8 +97,9 @@ class LayerUpdates:
     """Applies updates layer by layer (from any thread) and gates each module's forward."""
 
     def __init__(self, model: nn.Module, buffer: GradBuffer, *, timeout_s: float,
-                 check: Callable[[], None], meter: HostMeter = OFF) -> None:
+                 check: Callable[[], None], meter: HostMeter = OFF, scale: float = 1.0) -> None:
         self.buffer = buffer
+        self.scale = scale  # the transport's: what turns a layer's reduced sum into its average
         self.timeout_s = timeout_s
         self.check = check  # raises the scheduler's error, if it has one
         self.names, self.layer_of, needs = module_layers(model, buffer.params)
@@ -153,18 +154,19 @@ class LayerUpdates:
         self.updated[layer].clear()
 
     def apply(self, layer: int) -> None:
-        """Step `layer`'s optimizers, release its gradients, let its forward run."""
+        """Average `layer`'s reduced gradients, step its optimizers, zero its gradients for
+        the next backward (their views stay), let its forward run."""
         if not self.bound.wait(self.timeout_s):
             raise TimeoutError(f"no optimizer was given within {self.timeout_s:g} s "
                                "(the training loop must call method.step(optimizer))")
         self.check()
         if self.optimizer is None:
             return  # released on close before any step: nothing to apply
+        self.buffer.scale(self.scale, self.params[layer])
         for sub in self.subs[layer]:
             sub.step()
+        self.buffer.zero(self.params[layer])
         self.applied[layer] = record(self.device)
-        for i in self.params[layer]:
-            self.buffer.release(i)
         self.updated[layer].set()
 
     def settle(self) -> None:

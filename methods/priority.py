@@ -105,7 +105,8 @@ class Priority:
                              "pieces (allreduce)")
         self.credit = self._credit(buffer.flat.element_size())
         self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s,
-                                   check=self.failure.check, meter=meter)
+                                   check=self.failure.check, meter=meter,
+                                   scale=transport.scale)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
         ordered = getattr(transport, "ordered", True)
@@ -155,17 +156,19 @@ class Priority:
         self.layer_iter = [-1] * len(self.layers.names)  # iteration a layer is busy in
         self.marked = [-1] * n  # iteration a parameter's gradient was last ready in
         self.collected: list[torch.cuda.Event | None] = [None] * n  # GPU: gradient in buffer
+        self.one = [[i] for i in range(n)]  # made once: a hook queues without allocating
 
     # -- gradient hooks (main thread, during backward) -----------------------------------
 
     def _hook(self, i: int):
-        def ready(_param: torch.Tensor) -> None:
-            self.delay()
-            self._mark(i)
-        return ready
+        return self.delay.wrap(lambda _param: self._mark(i))
 
     def _mark(self, i: int) -> None:
+        """Parameter `i`'s gradient is in the buffer (autograd added it into its view, after
+        the forward waited for the layer's last update and zeroing): queue its partitions."""
         layer = self.layers.layer_of[i]
+        self.buffer.check(i)
+        self.collected[i] = event = record(self.device)
         with self.cond:
             if self.marked[i] == self.iteration or self.layer_iter[layer] not in (-1,
                                                                                   self.iteration):
@@ -173,10 +176,6 @@ class Priority:
                     f"the gradient of a parameter of layer {self.layers.names[layer]!r} was "
                     "produced before its previous update was applied; the priority scheduler "
                     "needs every parameter used only inside the forward of its own module")
-        self.layers.after_update(layer)  # the buffer slice is the previous update's input
-        self.buffer.collect(i)  # outside the lock; nothing reads it before it is queued below
-        self.collected[i] = event = record(self.buffer.flat.device)
-        with self.cond:
             self.marked[i] = self.iteration
             if self.layer_iter[layer] == -1:
                 self.layer_iter[layer] = self.iteration
@@ -187,7 +186,7 @@ class Priority:
                 for u in self.units_of[i]:
                     self.ready[u] = True
             elif event is None:  # CPU: the gradient is in the buffer now
-                self._queue([i])
+                self._queue(self.one[i])
             else:  # GPU: queued by the issuer once its event has happened
                 self.unready.append((i, event))
             # wake the issuer only if it can act: out of credit, the completer wakes it
@@ -345,7 +344,8 @@ class Priority:
         """Nothing to wait for; send the gradients of unused parameters too."""
         self.check()
         for i in range(len(self.buffer.params)):
-            if self.marked[i] != self.iteration:
+            if self.marked[i] != self.iteration:  # no gradient: its slice holds the zeros
+                self.layers.after_update(self.layers.layer_of[i])  # of its last update
                 self._mark(i)
         with self.cond:
             self.iteration += 1
@@ -356,7 +356,7 @@ class Priority:
         self.layers.bind(optimizer)
 
     def zero_grad(self) -> None:
-        """Each layer's gradients are released right after its update."""
+        """Each layer's gradients are zeroed right after its update (methods/layerwise.py)."""
 
     def drain(self) -> None:
         """Return once every update is applied and no partition is in flight."""

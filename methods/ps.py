@@ -3,8 +3,9 @@
 Ranks [0, W) of the default group are workers, [W, W + S) servers
 (harness/launch.py). Each communication unit is cut into partitions of at
 most `partition_bytes` (BytePS: 4,096,000) with BytePS's keys, each owned by one
-server by `assignment` (methods/layout.py). Gradients enter the buffer divided by W,
-so the sum over workers is the average. Four switches, defaults as in the study:
+server by `assignment` (methods/layout.py). The servers (and a serverless node's
+all-reduce) sum the workers' gradients; the scheduler divides the sum by W (`scale`).
+Four switches, defaults as in the study:
 
 - `local_reduce` (BytePS): the workers of a node aggregate each partition first, and
   the node's first worker (the root) alone pushes and pulls it: servers see one push
@@ -128,7 +129,7 @@ class PSTransport:
         self.node = Node(self.rank, 1 if self.serverless else per_node, node_groups)
         self.ordered = self.serverless or self.node.size > 1  # collectives in the node
         self.identity = self.serverless and self.size == 1  # nothing to move
-        self.scale = 1.0 / self.size  # every contribution pre-divided: the sum is the average
+        self.scale = 1.0 / self.size  # the pull is the sum: the scheduler divides it by W
         self.partition_bytes, self.assignment = partition_bytes, assignment
         self.local_reduce, self.server_schedule = local_reduce, server_schedule
         self.node_reduce, self.engine_threads = node_reduce, engine_threads
@@ -137,6 +138,7 @@ class PSTransport:
         self.parts: list[list[Part]] = []
         self.described: dict[str, Any] = {}
         self.flat: torch.Tensor | None = None
+        self.chunks: list[list[torch.Tensor]] = []  # serverless: each unit's partitions
         self.staging: HostStaging | None = None
         self.pipeline: _Pipeline | None = None
         self.warm = False  # the node's communicators made (`open`)
@@ -156,7 +158,8 @@ class PSTransport:
         self.described = plan_summary(parts, len(self.servers), flat.element_size(),
                                       per_node=self.node.size, node_reduce=self.node_reduce)
         self.flat = flat
-        if self.serverless:
+        if self.serverless:  # each partition's slice made once, not per start
+            self.chunks = [[flat[p.start : p.end] for p in ps] for ps in self.parts]
             return
         if not self.warm:
             self.node.warm_up(flat.device)
@@ -177,8 +180,8 @@ class PSTransport:
         """Unit `key` on its way (module docstring); returns at once."""
         parts = self.parts[key]
         if self.serverless:
-            return _AllReduced([dist.all_reduce(self.flat[p.start : p.end], group=self.group,
-                                                async_op=True) for p in parts], self.timeout_s)
+            return _AllReduced([dist.all_reduce(chunk, group=self.group, async_op=True)
+                                for chunk in self.chunks[key]], self.timeout_s)
         job = _Exchange(parts, staging=self.staging, ready=self.staging.ready(),
                         timeout_s=self.timeout_s)
         self.pipeline.put(job)

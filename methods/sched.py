@@ -37,24 +37,30 @@ class AfterBackward:
     def attach(self, model: nn.Module, *, buffer: GradBuffer, units: list[Unit],
                transport: Transport, meter: HostMeter = OFF) -> None:
         self.buffer, self.units, self.transport, self.meter = buffer, units, transport, meter
+        self.chunks = [buffer.slice(u.start, u.end) for u in units]  # made once, not per issue
 
     def synchronize(self) -> None:
-        for i in range(len(self.buffer.params)):
-            self.buffer.collect(i)
+        """Autograd summed every gradient into the buffer: reduce the units, then scale."""
+        self.buffer.check_all()
         handles = [self._start(i) for i in range(len(self.units))]
+        self._finish(handles)
+
+    def _finish(self, handles: list[Handle]) -> None:
+        """Wait for every unit, then turn the reduced sum into the average (in place)."""
         for h in handles:
             self.meter.wait(h.wait)
+        self.buffer.scale(self.transport.scale)
         self.waited = handles
 
     def _start(self, i: int) -> Handle:
-        unit = self.units[i]
-        return self.transport.start(self.buffer.slice(unit.start, unit.end), key=i)
+        return self.transport.start(self.chunks[i], key=i)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
     def zero_grad(self) -> None:
-        self.buffer.release_all()
+        """Zero the buffer; every `.grad` stays its view."""
+        self.buffer.zero()
 
     def drain(self) -> None:
         """synchronize() already waited for everything; on a GPU, let it really finish."""
@@ -73,10 +79,13 @@ class AfterBackward:
 class OnReady(AfterBackward):
     """WFBP: a unit is issued from the gradient hooks as soon as all its tensors are ready.
 
-    On an ordered transport (collectives) units go in plan order: a unit that is
-    ready waits for the ones ahead of it, so every rank issues the same sequence
-    whatever the timing of its hooks. Unordered transports (PS) issue at once.
-    `synchronize` issues what never became ready (unused parameters) and waits.
+    A hook (`register_post_accumulate_grad_hook`: autograd has just added the gradient
+    into the buffer) marks its tensor ready and, when that completes its unit, issues
+    it; nothing else, and nothing allocated unless a unit goes. On an ordered transport
+    (collectives) units go in plan order: a unit that is ready waits for the ones ahead
+    of it, so every rank issues the same sequence whatever the timing of its hooks.
+    Unordered transports (PS) issue at once. `synchronize` issues what never became
+    ready (unused parameters: their slices hold zeros) and waits.
     """
 
     def __init__(self, *, hook_delay_s: float = 0.0, delay_seed: int = 0,
@@ -89,26 +98,31 @@ class OnReady(AfterBackward):
                transport: Transport, meter: HostMeter = OFF) -> None:
         super().attach(model, buffer=buffer, units=units, transport=transport, meter=meter)
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
-        self.unit_of = {i: u for u, unit in enumerate(units) for i in unit.params}
+        self.unit_of = [0] * len(buffer.params)
+        for u, unit in enumerate(units):
+            for i in unit.params:
+                self.unit_of[i] = u
+        self.counts = [len(u.params) for u in units]
+        self.missing, self.issued = list(self.counts), [False] * len(units)
         self.hooks = [p.register_post_accumulate_grad_hook(meter.hook(self._hook(i), i))
                       for i, p in enumerate(buffer.params)]
         self._reset()
 
     def _reset(self) -> None:
-        self.missing = [len(u.params) for u in self.units]
-        self.issued = [False] * len(self.units)
+        self.missing[:] = self.counts
+        self.issued[:] = [False] * len(self.units)
         self.next = 0
         self.handles: list[Handle] = []
 
     def _hook(self, i: int):
+        buffer, u, missing = self.buffer, self.unit_of[i], self.missing
+
         def ready(_param: torch.Tensor) -> None:
-            self.delay()
-            self.buffer.collect(i)
-            u = self.unit_of[i]
-            self.missing[u] -= 1
-            if self.missing[u] == 0:
+            buffer.mark(i)
+            missing[u] -= 1
+            if missing[u] == 0:
                 self._issue(u)
-        return ready
+        return self.delay.wrap(ready)
 
     def _issue(self, u: int) -> None:
         if not self.transport.ordered:
@@ -126,11 +140,10 @@ class OnReady(AfterBackward):
     def synchronize(self) -> None:
         for u in range(len(self.units)):  # in plan order: units whose tensors got no gradient
             if not self.issued[u]:
-                self.buffer.collect_missing(self.units[u].params)
+                for i in self.units[u].params:
+                    self.buffer.check(i)
             self._issue_one(u)
-        for h in self.handles:
-            self.meter.wait(h.wait)
-        self.waited = self.handles
+        self._finish(self.handles)
         self._reset()
 
     def close(self) -> None:
