@@ -8,8 +8,8 @@ the plan's `engine_threads` engine threads (the one with the fewest bytes bound 
 methods/server_queue.py), the round's first push becomes the running sum in place (no
 engine work), each later one is queued on the key's thread to be added to it, and after
 the last one (a push from every node: the pushing roots) a copy of the sum into the
-key's answer buffer is queued, which, once run, is sent back to each root. Workers
-pre-divide their gradients, so the sum is the average.
+key's answer buffer is queued, which, once run, is sent back to each root. The answer is
+the workers' sum; each worker divides it by their count before its update.
 
 Each engine thread has a queue of its own (`EngineQueue`): FIFO, or with
 `server_schedule` (BytePS's BYTEPS_SERVER_ENABLE_SCHEDULE) BytePS's heap: the message
