@@ -200,7 +200,7 @@ def test_mgwfbp_merges_on_the_table_each_study_network_read() -> None:
 
 
 def test_the_what_if_sweep_is_every_model_method_network_and_gpu_count() -> None:
-    jobs = config.sweep(["experiment=whatif"])
+    jobs = config.sweep(["experiment=whatif_study"])
     cfgs = config.load_all(jobs, simulate=True)
     assert len(cfgs) >= 10_000
     gpus = {c.cluster.nodes * c.cluster.workers_per_node for c in cfgs}
