@@ -12,8 +12,8 @@ simplifies: one iteration from t = 0 instead of the steady state of `simulate.it
 (Horovod's cycle rounds on that clock), and ByteScheduler (scheduler `priority`: a
 credit-bound queue whose pieces overlap the next forward) as bounds, the slowest of its
 compute with the input-side pieces' tail exposed, its pieces back to back and its
-poller's updates. tests/test_fastpath.py checks it against model.py; the README of this
-room states the agreement.
+poller's updates. The queued paths are fastqueues.py's. tests/test_fastpath.py checks it against
+model.py; the README of this room states the agreement.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import numpy as np
 
 from harness.config.frozen import Config, assign
 from harness.predict import engines, profile
-from harness.predict.network import ELEMENT_SIZE, Network, _Summing
+from harness.predict.fastqueues import priority, ps, queue
+from harness.predict.network import ELEMENT_SIZE, Network
 from harness.predict.plans import Plan, mgwfbp_cost, plan_of, tensors
-from methods import layout
 
 # -- a family's configurations as arrays ----------------------------------------------------
 
@@ -84,7 +84,6 @@ def predict_family(fam: Family) -> Result:
     return Result(*out)
 
 
-WIDE = 64  # PS: configurations of up to this many servers go together, and those above
 MERGE_BUCKET = 1.25  # MG-WFBP is planned once per merge cost within this factor
 
 
@@ -108,7 +107,7 @@ def _subset(fam: Family, idx: np.ndarray) -> Family:
 # -- the model, over arrays ------------------------------------------------------------------
 
 @dataclass
-class _Arrays:
+class Arrays:
     """What the configurations differ in, as arrays (k configurations, n tensors)."""
 
     forward: np.ndarray        # k
@@ -131,7 +130,7 @@ class _Arrays:
         return self.nodes * self.per_node
 
 
-def _arrays(fam: Family) -> _Arrays:
+def _arrays(fam: Family) -> Arrays:
     """The family's per-configuration inputs as arrays (computes and networks shared by
     many configurations are read once)."""
     def col(values: list[float]) -> np.ndarray:
@@ -140,7 +139,7 @@ def _arrays(fam: Family) -> _Arrays:
     comp = {id(c): c for c in fam.computes}
     rows = {i: np.asarray(c.backward_s) for i, c in comp.items()}
     cs, ns = fam.computes, fam.nets
-    return _Arrays(
+    return Arrays(
         col([c.forward_s for c in cs]), np.stack([rows[id(c)] for c in cs]),
         col([c.update_s for c in cs]), col([c.byte_s for c in cs]),
         col([c.total_s for c in cs]), fam.nodes.astype(float), fam.per_node.astype(float),
@@ -150,7 +149,7 @@ def _arrays(fam: Family) -> _Arrays:
         [n.allreduce for n in ns])
 
 
-def allreduce_affine(x: _Arrays) -> tuple[np.ndarray, np.ndarray]:
+def allreduce_affine(x: Arrays) -> tuple[np.ndarray, np.ndarray]:
     """network.allreduce_s as alpha + beta * bytes per configuration (0 on one worker)."""
     n, g, p = x.nodes, x.per_node, x.workers
     alpha = np.maximum(np.where(g > 1, x.a_intra, 0.0), np.where(n > 1, x.a_inter, 0.0))
@@ -191,14 +190,15 @@ def _predict(fam: Family, plan: Plan) -> Result:
     kind, transport = cfg.method.scheduler.name, cfg.method.transport.name
     a, b = allreduce_affine(x)
     if kind == "priority":
-        return _priority(cfg, x, plan, ready, nbytes, a, b, divide, facts, sizes)
+        it, exposed, hidden = priority(cfg, x, plan, ready, nbytes, a, b, divide, facts, sizes)
+        return Result(it, exposed, hidden, np.zeros(len(a), bool), np.full(len(a), len(units)))
     unit_ready = ready[:, [-1] * len(units)] if kind == "after_backward" else ready[:, last]
     if transport == "ps":
-        done, busy, server_bound = _ps(cfg, x, plan, unit_ready, a, b)
+        done, busy, server_bound = ps(cfg, x, plan, unit_ready, a, b)
     else:
         cycle = 0.0 if transport == "ddp" else float(cfg.method.horovod.cycle_time_s)
         dur = a[:, None] * (nbytes[None, :] > 0) + b[:, None] * nbytes[None, :]
-        done = _queue(unit_ready, dur, cycle)
+        done = queue(unit_ready, dur, cycle)
         busy, server_bound = dur.sum(axis=1), np.zeros(len(a), bool)
     end = ready[:, -1]
     stream = end.copy()
@@ -211,191 +211,3 @@ def _predict(fam: Family, plan: Plan) -> Result:
     exposed = np.maximum(0.0, iteration - x.total)
     return Result(iteration, exposed, np.maximum(0.0, busy - exposed), server_bound & many,
                   np.full(len(a), len(units)))
-
-
-def _queue(ready: np.ndarray, dur: np.ndarray, cycle: float) -> np.ndarray:
-    """network.Collectives: units one at a time in issue order, each from its ready time
-    (rounded up to Horovod's cycle); when each is done (k x units)."""
-    if cycle:
-        ready = np.ceil(ready / cycle - 1e-9) * cycle
-    done = np.empty_like(dur)
-    free = np.zeros(len(dur))
-    for u in range(dur.shape[1]):
-        free = np.maximum(ready[:, u], free) + dur[:, u]
-        done[:, u] = free
-    return done
-
-
-def _ps(cfg: Config, x: _Arrays, plan: Plan, unit_ready: np.ndarray, a: np.ndarray,
-        b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """network.ParameterServers over arrays (one node: each partition all-reduced).
-    When each unit is done, the busiest resource's seconds, and whether a server's is.
-    Configurations of alike server counts go together (each server's queue is a column)."""
-    servers = x.nodes if cfg.cluster.servers is None else np.full(len(a), cfg.cluster.servers)
-    width = np.where(x.nodes == 1, 0, np.where(servers <= WIDE, 1, 2))
-    done, busy, bound = np.zeros(unit_ready.shape), np.zeros(len(a)), np.zeros(len(a), bool)
-    one = np.flatnonzero(width == 0)
-    if len(one):  # one node: no servers, each partition all-reduced in turn
-        counts = np.array([len(ps) for ps in plan.parts], dtype=float)
-        nb = np.array([sum(p.numel for p in ps) * ELEMENT_SIZE for ps in plan.parts], float)
-        dur = a[one, None] * counts[None, :] + b[one, None] * nb[None, :]
-        done[one], busy[one] = _queue(unit_ready[one], dur, 0.0), dur.sum(axis=1)
-    for w in (1, 2):
-        idx = np.flatnonzero(width == w)
-        if not len(idx):
-            continue
-        done[idx], busy[idx], bound[idx] = _ps_alike(cfg, _take(x, idx), plan, unit_ready[idx],
-                                                     a[idx], b[idx])
-    return done, busy, bound
-
-
-def _take(x: _Arrays, idx: np.ndarray) -> _Arrays:
-    """The configurations `idx` of `x`."""
-    return _Arrays(**{f: ([v[i] for i in idx] if isinstance(v, list) else v[idx])
-                      for f, v in vars(x).items()})
-
-
-def _ps_alike(cfg: Config, x: _Arrays, plan: Plan, unit_ready: np.ndarray, a: np.ndarray,
-              b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_ps` of configurations with alike server counts."""
-    t = cfg.method.transport
-    local, root = bool(t.get("local_reduce", True)), t.get("node_reduce", "scatter") == "root"
-    threads = int(t.get("engine_threads", 1))
-    k, n, g = len(a), x.nodes, x.per_node
-    servers = (n if cfg.cluster.servers is None else np.full(k, cfg.cluster.servers)).astype(int)
-    sharing = g if local else np.ones(k)
-    whole = (sharing > 1) & root
-    bus_share = np.where(whole, 2 * ((sharing - 1) / sharing + x.host_copy),
-                         2 * ((sharing - 1) + x.host_copy) / sharing)
-    senders = n if local else n * g
-    node_share = 1.0 if local else g
-    per_all, per_tail, lead = (np.zeros(k) for _ in range(3))
-    for i in range(k):  # the servers' summing factors (network._Summing), per configuration
-        per_all[i], per_tail[i], lead[i] = _summing(x.server_memory[i], int(senders[i]), threads)
-    wire = senders * x.b_inter
-    rows = np.arange(k)
-    width = int(servers.max())
-    free = {name: np.zeros(k) for name in ("up", "down", "bus_up", "bus_down")}
-    s_in, s_out = np.zeros((k, width)), np.zeros((k, width))
-    lanes, count = np.zeros((k, width * threads)), np.zeros((k, width), int)
-    busy = {name: np.zeros(k) for name in ("node", "server", "bus")}
-    s_busy = np.zeros((k, width))
-    done = np.zeros(unit_ready.shape)
-    flat = [p for ps in plan.parts for p in ps]
-    hashes = np.array([layout.djb2(p.key) for p in flat], dtype=np.uint64)
-    owners = np.stack([hashes % np.uint64(s) for s in range(1, width + 1)]).astype(int)
-    j = 0
-    for u, parts in enumerate(plan.parts):
-        t0 = unit_ready[:, u]
-        unit_bytes = sum(p.numel for p in parts) * ELEMENT_SIZE
-        whole_s = np.where(whole, x.a_intra + x.b_intra * unit_bytes * bus_share, 0.0)
-        t0 = np.where(whole, np.maximum(t0, free["bus_up"]) + whole_s, t0)
-        free["bus_up"] = np.where(whole, t0, free["bus_up"])
-        last = t0.copy()
-        for p in parts:
-            size = p.numel * ELEMENT_SIZE
-            bus = np.where(whole | (bus_share == 0), 0.0, x.a_intra + x.b_intra * size * bus_share)
-            start = np.where(bus > 0, np.maximum(t0, free["bus_up"]) + bus, t0)
-            free["bus_up"] = np.where(bus > 0, start, free["bus_up"])
-            node = size * node_share * x.b_inter
-            free["up"] = up = np.maximum(start, free["up"]) + node
-            server = size * wire
-            s = owners[servers - 1, j]
-            into = np.maximum(start, s_in[rows, s]) + server
-            s_in[rows, s] = into
-            pushed = np.maximum(up, into) + x.a_inter
-            lane = s * threads + count[rows, s] % threads
-            count[rows, s] += 1
-            summed = np.maximum(np.maximum(pushed - server * lead, lanes[rows, lane])
-                                + size * per_all, pushed + size * per_tail)
-            summed = np.where(per_all > 0, summed, pushed)
-            lanes[rows, lane] = summed
-            out = np.maximum(summed, s_out[rows, s]) + server
-            s_out[rows, s] = out
-            free["down"] = down = np.maximum(summed, free["down"]) + node
-            pulled = np.maximum(out, down) + x.a_inter
-            pulled = np.where(bus > 0, np.maximum(pulled, free["bus_down"]) + bus, pulled)
-            free["bus_down"] = np.where(bus > 0, pulled, free["bus_down"])
-            last = np.maximum(last, pulled)
-            busy["node"] += node
-            busy["bus"] += bus + whole_s / max(len(parts), 1)
-            s_busy[rows, s] += np.maximum(server, size * per_all)
-            j += 1
-        last = np.where(whole, np.maximum(last, free["bus_down"]) + whole_s, last)
-        free["bus_down"] = np.where(whole, last, free["bus_down"])
-        # one node: no servers, each partition all-reduced in turn
-        done[:, u] = last
-    top_server = s_busy.max(axis=1)
-    other = np.maximum(busy["node"], busy["bus"])
-    return done, np.maximum(top_server, other), top_server > other
-
-
-def _summing(memory: float, senders: int, threads: int) -> tuple[float, float, float]:
-    """network._Summing's factors: engine seconds per byte in all and after the last push,
-    and the second push's lead."""
-    return _Summing(Network("", None, None, "", False, memory), senders, threads).factors
-
-
-def _priority(cfg: Config, x: _Arrays, plan: Plan, ready: np.ndarray, nbytes: np.ndarray,
-              a: np.ndarray, b: np.ndarray, divide: np.ndarray, facts: dict,
-              sizes: list[int]) -> Result:
-    """ByteScheduler as bounds: the compute with the input-side pieces (the last ready,
-    issued first) exposed after it; its pieces back to back (the PS path's queues from
-    t = 0; all-reduces fused within a cycle up to the fusion bytes, one negotiation each);
-    its poller's updates one after another. The slowest of the three."""
-    units, many = plan.units, x.workers > 1
-    first = [u for u, unit in enumerate(units) if unit.params[-1] == len(sizes) - 1]
-    sched = cfg.method.scheduler
-    if cfg.method.transport.name == "ps":
-        comm = _ps_alone(cfg, x, plan, plan.parts, a, b)
-        tail = _ps_alone(cfg, x, plan, [[p for u in first for p in plan.parts[u]]], a, b)
-        credit = _credit_bytes(sched)
-        parts = sorted((p for ps in plan.parts for p in ps), key=lambda p: -p.numel)
-        wave, held = [], 0
-        for p in parts:  # a credit's worth of the largest partitions in flight at once
-            if wave and held + p.numel * ELEMENT_SIZE > credit:
-                break
-            wave.append(p)
-            held += p.numel * ELEMENT_SIZE
-        waves = nbytes.sum() / held
-        comm = np.maximum(comm, waves * _ps_alone(cfg, x, plan, [wave], a, b))
-    else:
-        tail = a * len(first) + b * nbytes[first].sum()
-        messages = np.full(len(a), float(len(units)))
-        cycle, fusion = float(sched.get("cycle_s", 0.0)), float(sched.get("fusion_bytes") or 0)
-        if cycle and fusion:  # a cycle's ready pieces go as one, up to the fusion bytes
-            span = ready[:, -1] - ready[:, 0]
-            messages = np.minimum(messages, np.maximum(np.ceil(nbytes.sum() / fusion),
-                                                       np.ceil(span / cycle)))
-        comm = a * messages + b * nbytes.sum()
-        if cycle:  # each cycle's negotiation: rounds of the slowest link's start-ups
-            link = np.where(x.nodes > 1, x.a_inter, x.a_intra)
-            rounds = 2 if cfg.method.horovod.get("cache_capacity", 0) else 4
-            comm = comm + messages * rounds * np.ceil(np.log2(np.maximum(x.workers, 2))) * link
-    ops = facts.get("update_ops", {})
-    count = ops.get(cfg.model.optimizer.name, ops.get("adam", 0))
-    n = len(sizes)
-    host = (count * float(facts.get("op_launch_s", 0.0)) * n
-            + float(facts.get("scan_s", 0.0)) * n * (n + 1) / 2)
-    host = host if engines.study_engine(cfg) else 0.0
-    compute = x.total + divide.sum(axis=1)
-    iteration = np.maximum.reduce([compute + tail, comm, np.full(len(a), host)])
-    iteration = np.where(many, iteration, x.total)
-    exposed = np.maximum(0.0, iteration - x.total)
-    return Result(iteration, exposed, np.maximum(0.0, comm - exposed), np.zeros(len(a), bool),
-                  np.full(len(a), len(units)))
-
-
-def _credit_bytes(sched: Config) -> float:
-    """ByteScheduler's credit in bytes (unbounded without one)."""
-    if sched.get("credit_bytes"):
-        return float(sched.credit_bytes)
-    return float(sched.get("credit_elements") or math.inf) * ELEMENT_SIZE
-
-
-def _ps_alone(cfg: Config, x: _Arrays, plan: Plan, parts: list[list], a: np.ndarray,
-              b: np.ndarray) -> np.ndarray:
-    """How long `parts` (one unit's partitions, from t = 0, alone) take on the PS path."""
-    units = [plan.units[0]] * len(parts)
-    zero = np.zeros((len(a), len(parts)))
-    return _ps(cfg, x, Plan(units, {}, parts, plan.servers), zero, a, b)[0].max(axis=1)
