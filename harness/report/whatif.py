@@ -59,17 +59,11 @@ def draw(best: pd.DataFrame, out: Path) -> dict[str, list[Path]]:
 def heatmap(cells: pd.DataFrame, model: str, compute: str, stem: Path) -> Path:
     """The best method of each fabric and GPU count, its margin over the runner-up written
     in the cell ("=": tied; blank on grey: three or more tie)."""
-    fabrics = sorted(cells.network.unique())
-    counts = sorted(cells.gpus.unique())
-    grid = np.ones((len(fabrics), len(counts), 4))
+    fabrics, counts = sorted(cells.network.unique()), sorted(cells.gpus.unique())
+    grid, texts = marks(cells, fabrics, counts)
     fig = Figure(figsize=(max(7.0, 0.42 * len(counts) + 2.2), 0.42 * len(fabrics) + 2.2))
     ax = fig.add_subplot()
-    at = {(f, g): (i, j) for i, f in enumerate(fabrics) for j, g in enumerate(counts)}
-    for row in cells.itertuples(index=False):
-        i, j = at[row.network, row.gpus]
-        ties = str(row.tied).count("=")
-        grid[i, j] = TIED if ties >= 2 else to_rgba(method_color(row.method))
-        text = "" if ties >= 2 else "=" if ties else _margin(row.margin_pct)
+    for (i, j), text in np.ndenumerate(texts):
         dark = sum(grid[i, j][:3]) < 1.3
         ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
                 color="white" if dark else "black")
@@ -91,6 +85,22 @@ def heatmap(cells: pd.DataFrame, model: str, compute: str, stem: Path) -> Path:
     fig.savefig(f"{stem}.png", dpi=130)
     fig.savefig(f"{stem}.pdf")
     return Path(f"{stem}.png")
+
+
+def marks(cells: pd.DataFrame, fabrics: list[str], counts: list[int]
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Per fabric (row) and GPU count (column): the cell's colour (RGBA: its best method's,
+    grey where three or more tie, white where the sweep has no such cell) and its text
+    (the margin in %, "<1" below 1%, "=" tied with one other, blank otherwise)."""
+    grid = np.ones((len(fabrics), len(counts), 4))
+    texts = np.full((len(fabrics), len(counts)), "", dtype=object)
+    at = {(f, g): (i, j) for i, f in enumerate(fabrics) for j, g in enumerate(counts)}
+    for row in cells.itertuples(index=False):
+        i, j = at[row.network, row.gpus]
+        ties = str(row.tied).count("=")
+        grid[i, j] = TIED if ties >= 2 else to_rgba(method_color(row.method))
+        texts[i, j] = "" if ties >= 2 else "=" if ties else _margin(row.margin_pct)
+    return grid, texts
 
 
 def _margin(pct: float) -> str:
