@@ -84,7 +84,7 @@ def predict_family(fam: Family) -> Result:
     return Result(*out)
 
 
-MERGE_BUCKET = 1.25  # MG-WFBP is planned once per merge cost within this factor
+MERGE_BUCKET = 1.5  # MG-WFBP is planned once per merge cost within this factor
 
 
 def _bucket(value: float) -> int:

@@ -14,6 +14,7 @@ from harness.predict import engines
 from harness.predict.network import ELEMENT_SIZE, Network, _Summing
 from harness.predict.plans import Plan
 from methods import layout
+from methods.server_queue import ThreadBinding
 
 if TYPE_CHECKING:
     from harness.predict.fastpath import Arrays
@@ -83,59 +84,77 @@ def _ps_alike(cfg: Config, x: Arrays, plan: Plan, unit_ready: np.ndarray, a: np.
     wire = senders * x.b_inter
     rows = np.arange(k)
     width = int(servers.max())
-    free = {name: np.zeros(k) for name in ("up", "down", "bus_up", "bus_down")}
     s_in, s_out = np.zeros((k, width)), np.zeros((k, width))
-    lanes, count = np.zeros((k, width * threads)), np.zeros((k, width), int)
-    busy = {name: np.zeros(k) for name in ("node", "server", "bus")}
+    lanes = np.zeros((k, width * threads))
+    node_busy, bus_busy = np.zeros(k), np.zeros(k)
     s_busy = np.zeros((k, width))
     done = np.zeros(unit_ready.shape)
     flat = [p for ps in plan.parts for p in ps]
-    hashes = np.array([layout.djb2(p.key) for p in flat], dtype=np.uint64)
-    owners = np.stack([hashes % np.uint64(s) for s in range(1, width + 1)]).astype(int)
+    counts, which = np.unique(servers, return_inverse=True)  # each partition's server, by
+    rule = t.get("assignment", "hash")                       # the method's rule, per count
+    owners = np.array([layout.assign([p.key for p in flat], [p.numel for p in flat], int(c),
+                                     rule) for c in counts])
+    threads_of = np.array([_threads(flat, row, threads) for row in owners])
+    has_bus = ~(whole | (bus_share == 0))
+    bus_a = np.where(has_bus, x.a_intra, 0.0)
+    bus_b = np.where(has_bus, x.b_intra * bus_share, 0.0)
+    node_b, timed = node_share * x.b_inter, bool((per_all > 0).all())
+    bus_up, bus_down, up_free, down_free = (np.zeros(k) for _ in range(4))
     j = 0
     for u, parts in enumerate(plan.parts):
         t0 = unit_ready[:, u]
         unit_bytes = sum(p.numel for p in parts) * ELEMENT_SIZE
         whole_s = np.where(whole, x.a_intra + x.b_intra * unit_bytes * bus_share, 0.0)
-        t0 = np.where(whole, np.maximum(t0, free["bus_up"]) + whole_s, t0)
-        free["bus_up"] = np.where(whole, t0, free["bus_up"])
-        last = t0.copy()
-        for p in parts:
+        if whole.any():  # root: the unit reduced and on the host before its first push
+            t0 = np.where(whole, np.maximum(t0, bus_up) + whole_s, t0)
+            bus_up = np.where(whole, t0, bus_up)
+            bus_busy += whole_s
+        last = t0
+        for p in parts:  # the partition through each queue: ParameterServers.issue
             size = p.numel * ELEMENT_SIZE
-            bus = np.where(whole | (bus_share == 0), 0.0, x.a_intra + x.b_intra * size * bus_share)
-            start = np.where(bus > 0, np.maximum(t0, free["bus_up"]) + bus, t0)
-            free["bus_up"] = np.where(bus > 0, start, free["bus_up"])
-            node = size * node_share * x.b_inter
-            free["up"] = up = np.maximum(start, free["up"]) + node
+            bus = bus_a + bus_b * size
+            start = np.maximum(t0, bus_up) + bus
+            bus_up = np.where(has_bus, start, bus_up)
+            node = size * node_b
+            up_free = up = np.maximum(start, up_free) + node
             server = size * wire
-            s = owners[servers - 1, j]
+            s = owners[which, j]
             into = np.maximum(start, s_in[rows, s]) + server
             s_in[rows, s] = into
             pushed = np.maximum(up, into) + x.a_inter
-            lane = s * threads + count[rows, s] % threads
-            count[rows, s] += 1
+            lane = s * threads + threads_of[which, j]
             summed = np.maximum(np.maximum(pushed - server * lead, lanes[rows, lane])
                                 + size * per_all, pushed + size * per_tail)
-            summed = np.where(per_all > 0, summed, pushed)
+            if not timed:
+                summed = np.where(per_all > 0, summed, pushed)
             lanes[rows, lane] = summed
             out = np.maximum(summed, s_out[rows, s]) + server
             s_out[rows, s] = out
-            free["down"] = down = np.maximum(summed, free["down"]) + node
-            pulled = np.maximum(out, down) + x.a_inter
-            pulled = np.where(bus > 0, np.maximum(pulled, free["bus_down"]) + bus, pulled)
-            free["bus_down"] = np.where(bus > 0, pulled, free["bus_down"])
+            down_free = down = np.maximum(summed, down_free) + node
+            pulled = np.maximum(np.maximum(out, down) + x.a_inter, bus_down) + bus
+            bus_down = np.where(has_bus, pulled, bus_down)
             last = np.maximum(last, pulled)
-            busy["node"] += node
-            busy["bus"] += bus + whole_s / max(len(parts), 1)
+            node_busy += node
+            bus_busy += bus
             s_busy[rows, s] += np.maximum(server, size * per_all)
             j += 1
-        last = np.where(whole, np.maximum(last, free["bus_down"]) + whole_s, last)
-        free["bus_down"] = np.where(whole, last, free["bus_down"])
-        # one node: no servers, each partition all-reduced in turn
+        if whole.any():  # root: back to the device and broadcast after the last pull
+            last = np.where(whole, np.maximum(last, bus_down) + whole_s, last)
+            bus_down = np.where(whole, last, bus_down)
         done[:, u] = last
     top_server = s_busy.max(axis=1)
-    other = np.maximum(busy["node"], busy["bus"])
+    other = np.maximum(node_busy, bus_busy)
     return done, np.maximum(top_server, other), top_server > other
+
+
+def _threads(flat: list, owners: np.ndarray, threads: int) -> list[int]:
+    """Each partition's engine thread on its server: BytePS's rule, the fewest bytes bound
+    so far, each server binding its partitions in plan order (network._Summing.lanes)."""
+    sizes: dict[int, list[int]] = {}
+    for p, server in zip(flat, owners):
+        sizes.setdefault(int(server), []).append(p.numel * ELEMENT_SIZE)
+    bound = {server: iter(ThreadBinding(threads).bind_new(of)) for server, of in sizes.items()}
+    return [next(bound[int(server)]) for server in owners]
 
 
 def _summing(memory: float, senders: int, threads: int) -> tuple[float, float, float]:

@@ -7,6 +7,9 @@ as one shard, with the best method per cell beside it (sweep.best)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -88,19 +91,45 @@ def predict_groups(groups: list[Group]) -> pd.DataFrame:
             nets[network_key(g.cfg)] = network(g.cfg)
         families.setdefault(_family_key(g.cfg), []).append(i)
     run_id, stack = f"sim-{uuid.uuid4().hex[:8]}", results.software()
-    frames = []
+    fams, computes = [], []
     for members in families.values():
-        computes = [profiles(groups[i].cfg) for i in members]
+        computes.append([profiles(groups[i].cfg) for i in members])
         sizes = [len(groups[i].nodes) for i in members]
-        fam = Family(groups[members[0]].cfg,
-                     [c for c, n in zip(computes, sizes) for _ in range(n)],
-                     [nets[network_key(groups[i].cfg)] for i, n in zip(members, sizes)
-                      for _ in range(n)],
-                     np.concatenate([groups[i].nodes for i in members]),
-                     np.concatenate([groups[i].per_node for i in members]))
-        frames.append(_rows([groups[i] for i in members], computes, fam,
-                            predict_family(fam), run_id, stack))
-    return pd.concat(frames, ignore_index=True)
+        fams.append(Family(groups[members[0]].cfg,
+                           [c for c, n in zip(computes[-1], sizes) for _ in range(n)],
+                           [nets[network_key(groups[i].cfg)] for i, n in zip(members, sizes)
+                            for _ in range(n)],
+                           np.concatenate([groups[i].nodes for i in members]),
+                           np.concatenate([groups[i].per_node for i in members])))
+    return pd.concat([_rows([groups[i] for i in members], comp, fam, got, run_id, stack)
+                      for members, comp, fam, got in zip(families.values(), computes, fams,
+                                                         _predict_all(fams))],
+                     ignore_index=True)
+
+
+def _predict_all(fams: list[Family]) -> list[Result]:
+    """`predict_family` of each, in forked processes, one per core, where there are cores
+    for them (and no torch loaded here, which forks badly), else here; the biggest first."""
+    global _FAMILIES
+    processes = min(len(os.sched_getaffinity(0)), len(fams))
+    if processes < 2 or "torch" in sys.modules:
+        return [predict_family(f) for f in fams]
+    order = sorted(range(len(fams)), key=lambda i: -len(fams[i].nodes)
+                   * len(fams[i].computes[0].sizes))
+    _FAMILIES = fams
+    try:
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            got = dict(zip(order, pool.imap(_predict_forked, order, chunksize=1)))
+    finally:
+        _FAMILIES = None
+    return [got[i] for i in range(len(fams))]
+
+
+_FAMILIES: list[Family] | None = None  # the families forked processes predict
+
+
+def _predict_forked(i: int) -> Result:
+    return predict_family(_FAMILIES[i])
 
 
 def _family_key(cfg: Config) -> str:
@@ -123,7 +152,9 @@ def _rows(groups: list[Group], computes: list[profile.Compute], fam: Family, got
     ids = [{**results.identity(g.cfg, run_id=run_id, repeat=0, stack=stack),
             "config_json": to_json(assign(assign(g.cfg, SHAPE[0], None), SHAPE[1], None))}
            for g in groups]
-    frame = pd.DataFrame({k: each([i[k] for i in ids]) for k in ids[0]})
+    counts = np.array(sizes)  # as plain objects: no pandas string arrays of the same texts
+    frame = pd.DataFrame({k: pd.Series(np.repeat(np.array([i[k] for i in ids], dtype=object),
+                                                 counts), dtype=object) for k in ids[0]})
     n, per = fam.nodes, fam.per_node
     cfg = fam.cfg
     frame["nodes"], frame["workers_per_node"], frame["world_size"] = n, per, n * per
