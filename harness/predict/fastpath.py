@@ -25,7 +25,7 @@ import numpy as np
 
 from harness.config.frozen import Config, assign
 from harness.predict import engines, profile
-from harness.predict.fastqueues import priority, ps, queue
+from harness.predict.fastqueues import Arrays, priority, ps, queue
 from harness.predict.network import ELEMENT_SIZE, Network
 from harness.predict.plans import Plan, mgwfbp_cost, plan_of, tensors
 
@@ -105,30 +105,6 @@ def _subset(fam: Family, idx: np.ndarray) -> Family:
 
 
 # -- the model, over arrays ------------------------------------------------------------------
-
-@dataclass
-class Arrays:
-    """What the configurations differ in, as arrays (k configurations, n tensors)."""
-
-    forward: np.ndarray        # k
-    backward: np.ndarray       # k x n
-    update: np.ndarray         # k
-    byte_s: np.ndarray         # k
-    total: np.ndarray          # k
-    nodes: np.ndarray
-    per_node: np.ndarray
-    a_intra: np.ndarray
-    b_intra: np.ndarray
-    a_inter: np.ndarray
-    b_inter: np.ndarray
-    host_copy: np.ndarray
-    server_memory: np.ndarray
-    algorithm: list[str]
-
-    @property
-    def workers(self) -> np.ndarray:
-        return self.nodes * self.per_node
-
 
 def _arrays(fam: Family) -> Arrays:
     """The family's per-configuration inputs as arrays (computes and networks shared by

@@ -5,7 +5,7 @@ communication stream (network.Collectives), the PS path's links, servers and eng
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,10 +16,32 @@ from harness.predict.plans import Plan
 from methods import layout
 from methods.server_queue import ThreadBinding
 
-if TYPE_CHECKING:
-    from harness.predict.fastpath import Arrays
-
 WIDE = 64  # PS: configurations of up to this many servers go together, and those above
+
+
+@dataclass
+class Arrays:
+    """What a family's configurations differ in, as arrays (k configurations, n tensors;
+    fastpath._arrays makes them)."""
+
+    forward: np.ndarray        # k
+    backward: np.ndarray       # k x n
+    update: np.ndarray         # k
+    byte_s: np.ndarray         # k
+    total: np.ndarray          # k
+    nodes: np.ndarray
+    per_node: np.ndarray
+    a_intra: np.ndarray
+    b_intra: np.ndarray
+    a_inter: np.ndarray
+    b_inter: np.ndarray
+    host_copy: np.ndarray
+    server_memory: np.ndarray
+    algorithm: list[str]
+
+    @property
+    def workers(self) -> np.ndarray:
+        return self.nodes * self.per_node
 
 
 def queue(ready: np.ndarray, dur: np.ndarray, cycle: float) -> np.ndarray:
