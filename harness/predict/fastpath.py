@@ -2,20 +2,17 @@
 method, any GPU, fabric and cluster shape) predicted at once with numpy, instead of one
 discrete-event simulation each (model.py).
 
-What it keeps of model.py, exactly: the compute (profile.py), the plans (plans.py: one per
-family, MG-WFBP's once per distinct merge cost), the all-reduce times (network.py's ring,
-tree, best and hierarchical are each alpha + beta * bytes per shape), the PS path's links
-and servers (network.ParameterServers' queues, written over arrays: each partition's
-server by BytePS's hash, its engine lane round-robin on that server instead of by bytes
-bound), the study's engines' polls, divisions and merged copies (engines.py). What it
-simplifies: one iteration from t = 0 instead of the steady state of `simulate.iterations`
-(Horovod's cycle rounds on that clock), and ByteScheduler (scheduler `priority`: a
-credit-bound queue whose pieces overlap the next forward) as bounds, the slowest of its
-compute with the input-side pieces' tail exposed, its pieces back to back and its
-poller's updates. The queued paths are fastqueues.py's. tests/test_fastpath.py checks it against
-model.py; the README of this room states the agreement.
+What it keeps of model.py: the compute (profile.py), the plans (plans.py: one per family,
+MG-WFBP's once per merge cost within MERGE_BUCKET), the all-reduce times (network.py's
+ring, tree, best and hierarchical are each alpha + beta * bytes for a shape), the
+communication stream and the PS path's links, servers and engine lanes (fastqueues.py:
+network.Collectives' and ParameterServers' queues over arrays), the study's engines'
+polls, divisions and merged copies (engines.py). What it simplifies: one iteration from
+t = 0 instead of the steady state of `simulate.iterations` (Horovod's cycle rounds on that
+clock), and ByteScheduler (scheduler `priority`: a credit-bound queue whose pieces overlap
+the next forward) as bounds (fastqueues.priority). tests/test_fastpath.py checks it
+against model.py; the README of this room states the agreement.
 """
-
 from __future__ import annotations
 
 import math
