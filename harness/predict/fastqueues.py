@@ -88,7 +88,7 @@ def _take(x: Arrays, idx: np.ndarray) -> Arrays:
 
 def _ps_alike(cfg: Config, x: Arrays, plan: Plan, unit_ready: np.ndarray, a: np.ndarray,
               b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_ps` of configurations with alike server counts."""
+    """`ps` of configurations with alike server counts."""
     t = cfg.method.transport
     local, root = bool(t.get("local_reduce", True)), t.get("node_reduce", "scatter") == "root"
     threads = int(t.get("engine_threads", 1))
@@ -190,9 +190,11 @@ def priority(cfg: Config, x: Arrays, plan: Plan, ready: np.ndarray, nbytes: np.n
               sizes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ByteScheduler as bounds: the compute with the input-side pieces (the last ready,
     issued first) exposed after it; its pieces back to back (the PS path's queues from
-    t = 0; all-reduces fused within a cycle up to the fusion bytes, one negotiation each);
-    its poller's updates one after another. The slowest of the three: per configuration,
-    the iteration, its exposed and its hidden communication."""
+    t = 0; all-reduces fused within a cycle up to the fusion bytes, one negotiation each),
+    at most a credit's worth in flight, moved once per round trip (per cycle); its
+    poller's updates one after another. The slowest of the three, on half cycles where
+    the method has a cycle (as model.py's iterations settle): per configuration, the
+    iteration, its exposed and its hidden communication."""
     units, many = plan.units, x.workers > 1
     first = [u for u, unit in enumerate(units) if unit.params[-1] == len(sizes) - 1]
     sched = cfg.method.scheduler
