@@ -63,8 +63,16 @@ def test_each_cell_is_its_best_methods_colour_with_its_margin(folder) -> None:
     assert shares.cells.sum() == len(lone) and ">cells<" in text
 
 
-def test_a_folder_of_one_gpu_is_no_what_if_folder(tmp_path) -> None:
-    pd.DataFrame({"model": ["m"], "compute": ["counted:v100:fp32"], "network": ["n"],
-                  "gpus": [8], "method": ["ddp"], "tied": ["ddp"],
-                  "margin_pct": [np.nan]}).to_csv(tmp_path / "sim-x_best.csv", index=False)
+@pytest.mark.parametrize("computes", [
+    ["counted:v100:fp32", "counted:v100:tf32"],       # one GPU of the table
+    ["measured:cpu", "measured:cpu x2 processes"]])  # measured here: no GPU of the table
+def test_a_folder_of_fewer_than_two_gpus_is_no_what_if_folder(tmp_path, computes) -> None:
+    def best(name: str, of: list[str]) -> None:
+        pd.DataFrame({"model": "m", "compute": of, "network": "n", "gpus": 8, "method": "ddp",
+                      "tied": "ddp", "margin_pct": np.nan}).to_csv(tmp_path / name, index=False)
+
+    best("sim-x_best.csv", computes)
     assert whatif.read_best(tmp_path) is None
+    gpus = ["counted:v100:fp32", "counted:h100_sxm:fp32"]
+    best("sim-y_best.csv", gpus)  # two GPUs of the table: a what-if folder, a cell once
+    assert len(whatif.read_best(tmp_path)) == len({*computes, *gpus})

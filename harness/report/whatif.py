@@ -4,7 +4,7 @@ GPU a heatmap of the best method by fabric (rows) and GPU count (columns), each 
 the method's colour with its margin over the runner-up in %, saved as PNG and PDF, and
 index.html with them, the methods' share of the cells and the rows' provenance.
 
-A folder is a what-if folder when its best.csv files name more than one compute (GPU):
+A folder is a what-if folder when its best.csv files name more than one GPU of the table:
 then its rows mix GPUs, which the per-setting bars would average, so only this page is
 drawn."""
 
@@ -29,7 +29,8 @@ BEST_COLUMNS = {"model", "compute", "network", "gpus", "method", "tied", "margin
 
 def read_best(results_dir: str | Path) -> pd.DataFrame | None:
     """Every what-if best.csv under `results_dir`, newest last (a cell predicted twice keeps
-    its newest), or None where they name a single compute (not a what-if folder)."""
+    its newest), or None where they name fewer than two GPUs of the table (not a what-if
+    folder: e.g. measured profiles of one and two processes)."""
     files = sorted(Path(results_dir).rglob("*_best.csv"), key=lambda p: p.stat().st_mtime)
     frames = [pd.read_csv(f) for f in files]
     frames = [f for f in frames if BEST_COLUMNS <= set(f.columns)]
@@ -37,7 +38,8 @@ def read_best(results_dir: str | Path) -> pd.DataFrame | None:
         return None
     best = pd.concat(frames, ignore_index=True).drop_duplicates(
         ["model", "compute", "network", "gpus"], keep="last")
-    return best if best.compute.nunique() > 1 else None
+    gpus = {c.split(":")[1] for c in best.compute.astype(str) if c.startswith("counted:")}
+    return best if len(gpus) > 1 else None
 
 
 def gpu_name(compute: str) -> str:
