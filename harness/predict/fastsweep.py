@@ -219,8 +219,12 @@ def simulate(jobs: list[list[str]]) -> bool:
     started = time.perf_counter()
     groups = load(jobs)
     sim = groups[0].cfg.simulate
-    if (sim.compute == "measured" or sim.calibrate or sim.reference or sim.advise
-            or sim.trace):
+    asks = [k for k in ("calibrate", "reference", "advise", "trace") if sim.get(k)]
+    if sim.compute == "measured" or asks:
+        why = f"simulate.{asks[0]}" if asks else "simulate.compute=measured"
+        print(f"ddlbench: note: {len(jobs)} configurations through the discrete-event model "
+              f"(the fast path does not serve {why}): this takes minutes; choose fewer with "
+              "model=, simulate.compute=, network=", file=sys.stderr, flush=True)
         return False
     frame = predict_groups(groups)
     print(f"predicted {len(frame)} configurations on the fast path in "
