@@ -42,9 +42,9 @@ saved as `<results-dir>/<timestamp>/ratios.json`.
 
 `--simulate` times the simulator instead, as a user meets it (a whole `python -m
 harness.simulate` process, warm cache: one untimed run of each first): the study's
-sweep calibrated and validated on its published numbers (`--reference`, when that
-file exists), and the what-if sweep, interleaved over `--rounds`; it prints each one's
-median and range against its target and saves them as `simulate.json`.
+sweep calibrated on its published numbers (`--reference`, if found), and the what-if
+sweeps (whatif: 110,160 on the fast path; whatif_study), interleaved over `--rounds`;
+each one's median and range against its target, saved as `simulate.json`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"],
 # scheduling over per-tensor all-reduce
 # the simulator's sweeps timed by --simulate, with their targets in seconds (issue 25)
 SIMULATIONS = {"paper": (["experiment=paper", "network=ib100_rdma"], 2.0),
-               "whatif": (["experiment=whatif"], 30.0)}
+               **{w: ([f"experiment={w}"], 30.0) for w in ("whatif", "whatif_study")}}
 PS = ("bsp_ps", "wfbp_ps", "bytescheduler_ps", "priority_ps")
 PAIRS = (*((m, "bsp_ps") for m in PS[1:]), ("bytescheduler_a2a", "wfbp_a2a"),
          *((m + ROOT, "bsp_ps" + ROOT) for m in PS[1:]), *((m, m + ROOT) for m in PS))

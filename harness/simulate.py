@@ -1,7 +1,7 @@
 """`python -m harness.simulate experiment=<name> network=<profile>`: predict a sweep.
 
     python -m harness.simulate experiment=paper network=ib100_rdma simulate.advise=true
-    python -m harness.simulate experiment=whatif      # 10,044 configurations
+    python -m harness.simulate experiment=whatif      # 110,160 configurations (fast path)
     python -m harness.simulate model=resnet50 method=wfbp_ps cluster.nodes=4 \\
         cluster.workers_per_node=4 network=eth10_tcp simulate.compute=rtx2080ti
 
@@ -18,8 +18,11 @@ Every configuration of the sweep becomes one result row with source=simulated (o
 shard per simulation), so `harness.report` draws simulated figures with the same code;
 the best method per model, network and GPU count is printed and written beside the
 shard (<run_id>_best.csv). A sweep of more than a few hundred configurations (e.g.
-experiment=whatif, 10,044 of them) prints its progress instead of a line each, and
-shares the work among this machine's cores.
+experiment=whatif_study, 10,044 of them) prints its progress instead of a line each, and
+shares the work among this machine's cores; one of more than 20,000 (experiment=whatif:
+110,160) is predicted on the fast path (harness/predict/fastpath.py: every model and
+method at once over its GPUs, fabrics and shapes, checked against this model) unless it
+asks for calibration, validation, advice, traces or a measured profile.
 `simulate.calibrate=<csv>` fits each method's costs that no fact gives on one node's
 measurements (harness.predict.calibrate), `simulate.reference=<csv>` validates against
 measured throughputs, `simulate.advise=true` ranks the methods per model and cluster.
@@ -53,7 +56,7 @@ import sys
 from harness import config
 from harness.config import checks, paths, usage
 from harness.config.ranks import num_workers
-from harness.predict import calibrate, onegpu
+from harness.predict import calibrate, fastsweep, onegpu
 from harness.predict.profile import unlike_device
 from harness.predict.sweep import Inputs, inputs, predict_sweep, write
 
@@ -67,6 +70,8 @@ def main(argv: list[str]) -> int:
     try:
         checks.used_by("harness.simulate", argv)
         jobs = config.sweep(argv)
+        if fastsweep.wanted(jobs) and fastsweep.simulate(jobs):
+            return 0  # a big what-if sweep: the fast path (harness/predict/fastpath.py)
         cfgs = config.load_all(jobs, simulate=True)
         sim = cfgs[0].simulate
         if sim.trace and len(cfgs) > MAX_TRACES:

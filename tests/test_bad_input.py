@@ -328,6 +328,9 @@ ROWS = [
      ["simulate.efficiency=1.5 is invalid", "(0, 1]"]),
     ("harness.plan", ["network=ib_ndr", "cluster.device=cuda", "method=mgwfbp"],
      ["shows none", "simulate.compute=<gpu>"]),
+    # the what-if fast path checks each job's shape (issue 41, item 4)
+    ("harness.simulate", ["experiment=whatif", "cluster.nodes=1,2,4,8,16,32,64,x"],
+     ["cluster.nodes=x is not a count of at least 1", "cluster.nodes=2"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"

@@ -354,7 +354,7 @@ def test_a_big_sweep_says_how_far_it_is_and_the_best_method_per_cell(tmp_path) -
     """The what-if sweep on one model and network: a row per configuration in one shard,
     progress instead of a line each, the best methods beside the shard; from the study's
     GPU and a warm cache, no torch."""
-    args = ["experiment=whatif", "model=resnet50", "network=ib100_rdma"]
+    args = ["experiment=whatif_study", "model=resnet50", "network=ib100_rdma"]
     for run in range(2):  # the first may fill the cache of FLOP counts (torch)
         out = subprocess.run([sys.executable, "-X", "importtime", "-m", "harness.simulate",
                               *args, f"results_dir={tmp_path / str(run)}"], cwd=REPO,

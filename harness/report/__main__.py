@@ -19,6 +19,10 @@
   ``summary.csv``, ``best.csv``, ``ratios.csv`` (with both inputs), and ``index.html``: one
   self-contained page of this call's figures, the tables, what is missing and the rows'
   provenance. With a reference and no results, the reference alone is drawn.
+* A what-if folder (``python -m harness.simulate experiment=whatif``: its best.csv names
+  several GPUs) gets the what-if page instead: per model and GPU a heatmap of the best
+  method by fabric and GPU count with its margin over the runner-up
+  (harness/report/whatif.py), in ``whatif_*`` PNG + PDF and ``index.html``.
 * ``timeline=<trace>`` (a run.trace or simulate.trace file) also draws one iteration's
   timeline, measured beside predicted (harness/report/timeline.py); on the page too.
 * Missing cells and failed runs get no bar; they are noted in the figure and listed in
@@ -41,7 +45,7 @@ from pathlib import Path
 
 from harness.config import ConfigError, paths, usage
 from harness.measure import results
-from harness.report import page
+from harness.report import page, whatif
 from harness.report.data import (
     ReportError,
     _log,
@@ -82,7 +86,16 @@ def report(results_dir: str, out_dir: str, reference: str | None = None,
     published = (reference_cells(read_reference(paths.named_file(reference)))
                  if reference else None)
     start = time.perf_counter()
+    best = None if reference or timeline else whatif.read_best(results_dir)
     rows, bad, n = load_rows(results_dir)  # as written: the page shows their provenance
+    if best is not None:  # a what-if folder: its rows mix GPUs, so the what-if page alone
+        with all_or_nothing(Path(out_dir)):
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            intro = (f"results_dir `{results_dir}`: a what-if sweep, {len(rows)} simulated "
+                     f"rows in {n} shards, {len(best)} cells (model, GPU, fabric, GPU count).")
+            page.write_page(Path(out_dir), whatif.render(intro, best,
+                                                         whatif.draw(best, Path(out_dir)), rows))
+        return
     frame = normalize(rows)
     with all_or_nothing(Path(out_dir)):  # a full disk leaves nothing half-written
         drawn = {}

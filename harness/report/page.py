@@ -23,7 +23,8 @@ from harness.report.tables import _fmt, ratio_table, summary_tables
 PROVENANCE = ["network"] + [
     c for c in results.PROVENANCE + results.ENGINE if c not in ("config_json", "plan_json")
 ]
-KINDS = {"fig": "throughput", "efficiency": "scaling efficiency", "breakdown": "time per phase"}
+KINDS = {"fig": "throughput", "efficiency": "scaling efficiency", "breakdown": "time per phase",
+         "whatif": "best method by fabric and GPU count"}
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1180px; margin: 1.5em auto;
        padding: 0 1em; color: #222; line-height: 1.4; }
