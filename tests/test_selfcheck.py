@@ -1,0 +1,75 @@
+"""The simulator against the harness's own runs (issue 43): `harness.methodbench
+--selfcheck` measures a small emulated sweep and predicts it into one folder, and the
+comparison's figures are the ones its rows give. Checks the machinery, not the numbers
+(the benchmark is the whole experiment=selfcheck; harness/predict/README.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.config import checks
+from harness.measure import results
+from harness.predict import selfcheck
+from tests.conftest import run_module
+
+
+def _cells(measured: list[float], simulated: list[float]) -> pd.DataFrame:
+    n = len(measured)
+    frame = pd.DataFrame({"model": "bert_tiny", "network": "eth1g", "nodes": 2,
+                          "workers_per_node": 1, "method": [f"m{i}" for i in range(n)],
+                          "measured": measured, "simulated": simulated})
+    frame["pct_error"] = 100 * (frame.simulated - frame.measured) / frame.measured
+    return frame
+
+
+def test_scores_are_the_cells_errors_and_rank_agreement() -> None:
+    table = selfcheck.scores(_cells([10, 20, 40], [11, 18, 20]))
+    row = table.iloc[0]
+    assert (row.cells, row.median_abs_pct_error, row.max_abs_pct_error) == (3, 10.0, 50.0)
+    assert row.kendall_tau == 1.0  # same order, however far off
+    swapped = selfcheck.scores(_cells([10, 20], [20, 10])).iloc[0]
+    assert swapped.kendall_tau == -1.0
+    text = selfcheck.verdict(table)
+    assert "missed" in text and "max_abs_pct_error=50.0" in text
+    assert "met" in selfcheck.verdict(selfcheck.scores(_cells([10, 20], [10.5, 21])))
+
+
+def test_plan_measures_each_link_once_then_runs_and_predicts(tmp_path: Path) -> None:
+    p = selfcheck.plan(["model=bert_tiny", "method=bsp_a2a,wfbp_ps", "network=eth1g,eth100m",
+                        f"results_dir={tmp_path}"])
+    steps = selfcheck.commands(p)
+    assert [s[0] for s in steps] == ["harness.microbench"] * 2 + ["harness.run",
+                                                                  "harness.simulate"]
+    assert {s[2] for s in steps[:2]} == {"network=eth1g", "network=eth100m"}
+    assert p.out.parent == tmp_path and not p.out.exists()  # nothing made before it starts
+    assert f"simulate.reference={p.out}" in steps[-1] and f"results_dir={p.out}" in steps[-1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.skipif(bool(checks.missing_net_tools()), reason="ip/tc (iproute2) are missing")
+def test_selfcheck_measures_and_predicts_into_one_folder(tmp_path: Path) -> None:
+    sweep = ["model=bert_tiny", "method=bsp_a2a,wfbp_ps", "network=eth1g", "cluster.nodes=2",
+             "cluster.workers_per_node=1", "run.warmup_iters=1", "run.timed_iters=3",
+             "run.repeats=1", "run.timeout_s=120"]
+    out = run_module("harness.methodbench", "--selfcheck", *sweep, f"results_dir={tmp_path}",
+                     timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [folder] = [f for f in tmp_path.iterdir() if f.is_dir()]
+    rows = results.load(folder)
+    assert sorted(rows.source.unique()) == ["measured", "simulated"]
+    assert set(rows.method) == {"bsp_a2a", "wfbp_ps"} and (rows.status == "ok").all()
+    assert not results.load_microbench(folder / results.OTHER_DATA)[0].empty
+    table = pd.read_csv(folder / "selfcheck.csv")
+    assert table[["nodes", "workers_per_node", "cells"]].values.tolist() == [[2, 1, 2]]
+    assert "validation, uncalibrated: median_abs_pct_error=" in out.stdout
+    assert "selfcheck: clusters=1" in out.stdout
+    assert (folder / "selfcheck_bert_tiny.png").stat().st_size > 10_000
+    again = run_module("harness.methodbench", "--selfcheck", "--predict", str(folder), *sweep,
+                       timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "harness.run" not in again.stdout  # nothing measured again
+    assert pd.read_csv(folder / "selfcheck.csv").cells.tolist() == [2]  # the newest prediction
