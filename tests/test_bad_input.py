@@ -335,6 +335,7 @@ ROWS = [
     ("harness.methodbench", ["--selfcheck", "results_dir={tmp}/file.txt"],
      ["results_dir={tmp}/file.txt is a file"]),
     ("harness.methodbench", ["--selfcheck", "--predict"], ["--predict needs the folder"]),
+    ("harness.methodbench", ["--selfcheck", "run.warmup_iters=3"], ["run.warmup_iters>=5"]),
     ("harness.methodbench", ["--selfcheck", "--predict", "{tmp}"],
      ["--predict {tmp} holds no microbenchmark"]),
 ]

@@ -66,7 +66,7 @@ def plan(argv: list[str], *, again: Path | None = None) -> Plan:
         raise config.ConfigError(f"--selfcheck takes key=value overrides, not {bad[0]!r}; "
                                  "e.g. --selfcheck model=bert_tiny network=eth1g")
     overrides = [EXPERIMENT, *argv]
-    cfgs = config.load_all(config.sweep(overrides), simulate=True)
+    cfgs = config.load_all(config.sweep(overrides), simulate=again is not None)  # run rules too
     if again is not None and not (again / results.OTHER_DATA).is_dir():
         raise config.ConfigError(f"--predict {again} holds no microbenchmark; give the folder "
                                  "of an earlier --selfcheck")
