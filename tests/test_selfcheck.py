@@ -11,9 +11,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from harness import config
 from harness.config import checks
 from harness.measure import results
-from harness.predict import selfcheck
+from harness.predict import network, selfcheck
+from methods.costmodel import Cost
 from tests.conftest import run_module
 
 
@@ -40,11 +42,12 @@ def test_scores_are_the_cells_errors_and_rank_agreement() -> None:
 
 def test_plan_measures_each_link_once_then_runs_and_predicts(tmp_path: Path) -> None:
     p = selfcheck.plan(["model=bert_tiny", "method=bsp_a2a,wfbp_ps", "network=eth1g,eth100m",
-                        f"results_dir={tmp_path}"])
+                        "cluster.nodes=2", "cluster.workers_per_node=1", f"results_dir={tmp_path}"])
     steps = selfcheck.commands(p)
     assert [s[0] for s in steps] == ["harness.microbench"] * 2 + ["harness.run",
                                                                   "harness.simulate"]
     assert {s[2] for s in steps[:2]} == {"network=eth1g", "network=eth100m"}
+    assert {tuple(s[3:5]) for s in steps[:2]} == {("cluster.nodes=2", "cluster.workers_per_node=1")}
     assert p.out.parent == tmp_path and not p.out.exists()  # nothing made before it starts
     assert f"simulate.reference={p.out}" in steps[-1] and f"results_dir={p.out}" in steps[-1]
 
@@ -73,3 +76,29 @@ def test_selfcheck_measures_and_predicts_into_one_folder(tmp_path: Path) -> None
     assert again.returncode == 0, again.stderr[-3000:]
     assert "harness.run" not in again.stdout  # nothing measured again
     assert pd.read_csv(folder / "selfcheck.csv").cells.tolist() == [2]  # the newest prediction
+
+
+def _microbench(folder: Path, *, nodes: int, per_node: int, allreduce: tuple[float, float],
+                name: str) -> None:
+    """A microbenchmark table as harness.microbench writes it (its fits only)."""
+    kinds = [("p2p", 1e-3, 8e-9), ("p2p_intra", 5e-5, 1e-10), ("allreduce", *allreduce)]
+    frame = pd.DataFrame([{"kind": k, "ranks": "0-1", "bytes": 1024, "seconds": a,
+                           "alpha_s": a, "beta_s_per_byte": b} for k, a, b in kinds])
+    frame = frame.assign(run_id=name, cluster="emulated", network="eth1g",
+                         world_size=nodes * per_node, nodes=nodes, workers_per_node=per_node)
+    (folder / results.OTHER_DATA).mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(folder / results.OTHER_DATA / f"{name}.parquet")
+
+
+def test_an_all_reduce_timed_on_the_shape_predicted_is_its_cost(tmp_path: Path) -> None:
+    _microbench(tmp_path, nodes=2, per_node=2, allreduce=(2e-3, 2e-8), name="a")
+    _microbench(tmp_path, nodes=3, per_node=1, allreduce=(3e-3, 3e-8), name="b")
+    cfg = config.load(["cluster=emulated", "network=eth1g", f"results_dir={tmp_path}"],
+                      simulate=True)
+    net = network.network(cfg)
+    assert (net.inter, net.intra) == (Cost(1e-3, 8e-9), Cost(5e-5, 1e-10))  # node's loopback
+    mb = 1 << 20
+    assert network.allreduce_s(net, mb, nodes=2, per_node=2) == pytest.approx(2e-3 + 2e-8 * mb)
+    assert network.allreduce_s(net, mb, nodes=3, per_node=1) == pytest.approx(3e-3 + 3e-8 * mb)
+    ring = 2 * 1e-3 + 8e-9 * mb  # a shape not measured: the ring over the link
+    assert network.allreduce_s(net, mb, nodes=2, per_node=1) == pytest.approx(ring)

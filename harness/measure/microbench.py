@@ -86,7 +86,9 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     if ctx.rank == 0:
         frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
-                             network=cfg.network.name, world_size=ctx.num_workers)
+                             network=cfg.network.name, world_size=ctx.num_workers,
+                             nodes=cfg.cluster.nodes,  # the shape its all-reduce ran on
+                             workers_per_node=cfg.cluster.workers_per_node)
         path = Path(cfg.results_dir) / FOLDER / f"{ctx.run_id}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(path)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from harness import config
 from harness.config import gpus
 from harness.config.frozen import Config
-from harness.measure import results
+from harness.predict import links
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
 from methods.costmodel import Cost, least_squares
 from methods.server_queue import ThreadBinding
@@ -40,6 +39,7 @@ class Network:
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
     server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
+    gloo: tuple = ()  # ((nodes, workers per node), Cost): all-reduces measured (links.py)
 
 
 # The study's 4-GPU ring all-reduce on PCIe 3.0 (conf/network/ib100_rdma.yaml): 1.34 GB in
@@ -64,8 +64,9 @@ def network(cfg: Config) -> Network:
         return Network(net.name, Cost(net.intra_node.alpha_s, _intra_beta(cfg)), inter,
                        net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
                        STUDY_SERVER_MEMORY_BYTES_PER_S)
-    link = _microbench_link(cfg)
-    return Network(net.name, link, link, "ring", False)
+    link = links.measured(cfg)  # this machine's: the microbenchmarks of links.py
+    return Network(net.name, link.intra or link.link, link.link, "ring", False,
+                   gloo=tuple(link.allreduce.items()))
 
 
 def _intra_beta(cfg: Config) -> float:
@@ -85,34 +86,14 @@ def key(cfg: Config) -> tuple[str, str]:
     return cfg.network.name, cfg.simulate.compute
 
 
-def _microbench_link(cfg: Config) -> Cost:
-    """The point-to-point alpha/beta of the newest microbenchmark of this network."""
-    folder = Path(cfg.results_dir) / results.OTHER_DATA
-    fits = [f for f in results.load_microbench(folder)
-            if (f.network == cfg.network.name).all() and (f.kind == "p2p").any()]
-    if not fits:
-        where = "cluster=emulated " if cfg.network.get("rate_mbit") else ""
-        raise config.ConfigError(
-            f"network={cfg.network.name} has no measured link in {folder}; measure it first: "
-            f"python -m harness.microbench {where}network={cfg.network.name} "
-            f"cluster.{'nodes' if where else 'workers_per_node'}=2")
-    p2p = fits[-1][fits[-1].kind == "p2p"].iloc[0]
-    alpha, beta = float(p2p.alpha_s), float(p2p.beta_s_per_byte)
-    # beta 0 is a fit over small messages only (clamped at 0); negative or no number is none
-    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta >= 0):
-        raise config.ConfigError(
-            f"the newest microbenchmark of network={cfg.network.name} in {folder} fits its "
-            f"link with alpha={alpha:g} s and beta={beta:g} s/byte, which no link has; measure "
-            f"it again: python -m harness.microbench network={cfg.network.name} "
-            "cluster.workers_per_node=2")
-    return Cost(alpha, beta)
-
-
 def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> float:
     """Seconds of one all-reduce of `nbytes` over nodes x per_node workers."""
     p = nodes * per_node
     if p == 1 or nbytes == 0:
         return 0.0
+    for shape, cost in net.gloo:  # timed on this very shape: as Gloo runs it
+        if shape == (nodes, per_node):
+            return cost.seconds(nbytes)
     links = ([net.intra] if per_node > 1 else []) + ([net.inter] if nodes > 1 else [])
     alpha, beta = max(c.alpha for c in links), max(c.beta for c in links)
     moved = 2 * (p - 1) / p * nbytes * beta  # every link of a ring carries this much

@@ -7,8 +7,9 @@ Takes Hydra overrides of `experiment=selfcheck` (conf/experiment/selfcheck.yaml:
 method on bert_tiny and resnet50_small, emulated clusters of 2 and 3 nodes x 1 and 2
 workers over eth1g and eth100m) and, into one results folder `<results_dir>/<timestamp>/`:
 
-1. measures each network of the sweep with `harness.microbench` (2 nodes, 1 worker each:
-   the point-to-point link the simulator reads);
+1. measures each network of the sweep with `harness.microbench` on each cluster shape
+   of the sweep (the point-to-point link, the link inside a node and the all-reduce as
+   Gloo runs it on that shape: harness/predict/links.py);
 2. runs the sweep (`harness.run`, source=measured rows);
 3. predicts the same sweep from what a user has: that microbenchmark and the compute
    profile measured here (`harness.simulate simulate.reference=<the folder>`, which prints
@@ -52,7 +53,7 @@ TARGETS = {"median": 10.0, "max": 25.0, "tau": 0.6}  # issue 43
 class Plan:
     """What one self-check runs: the sweep's overrides, its links and its folder."""
     overrides: list[str]
-    links: list[tuple[str, str]]  # (cluster, network) of each microbenchmark
+    links: list[tuple[str, str, int, int]]  # (cluster, network, nodes, workers per node)
     out: Path
     measure: bool = True  # False: predict the measured rows of `out` again
 
@@ -72,17 +73,19 @@ def plan(argv: list[str], *, again: Path | None = None) -> Plan:
                                  "of an earlier --selfcheck")
     paths.output_dir("results_dir", cfgs[0].results_dir)
     out = again or Path(cfgs[0].results_dir) / f"{dt.datetime.now():%Y%m%d-%H%M%S}"
-    links = [] if again else sorted({(c.cluster.name, c.network.name) for c in cfgs})
+    links = [] if again else sorted({(c.cluster.name, c.network.name, c.cluster.nodes,
+                                      c.cluster.workers_per_node) for c in cfgs})
     return Plan([o for o in overrides if not o.startswith("results_dir=")], links, out,
                 measure=again is None)
 
 
 def commands(p: Plan) -> list[list[str]]:
-    """The commands of a self-check, in order: a microbenchmark per link, the measured
-    sweep, the predicted one."""
+    """The commands of a self-check, in order: a microbenchmark per link and cluster
+    shape (its all-reduce as Gloo runs it there, links.py), the measured sweep, the
+    predicted one."""
     where = f"results_dir={p.out}"
-    bench = [["harness.microbench", f"cluster={c}", f"network={n}", "cluster.nodes=2",
-              "cluster.workers_per_node=1", where] for c, n in p.links]
+    bench = [["harness.microbench", f"cluster={c}", f"network={n}", f"cluster.nodes={nodes}",
+              f"cluster.workers_per_node={w}", where] for c, n, nodes, w in p.links]
     return [*bench, *[["harness.run", *p.overrides, where]] * p.measure,
             ["harness.simulate", *p.overrides, where, f"simulate.reference={p.out}"]]
 
