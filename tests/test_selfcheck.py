@@ -42,7 +42,8 @@ def test_scores_are_the_cells_errors_and_rank_agreement() -> None:
 
 def test_plan_measures_each_link_once_then_runs_and_predicts(tmp_path: Path) -> None:
     p = selfcheck.plan(["model=bert_tiny", "method=bsp_a2a,wfbp_ps", "network=eth1g,eth100m",
-                        "cluster.nodes=2", "cluster.workers_per_node=1", f"results_dir={tmp_path}"])
+                        "cluster.nodes=2", "cluster.workers_per_node=1", "run.trace=true",
+                        "simulate.trace=true", f"results_dir={tmp_path}"])
     steps = selfcheck.commands(p)
     assert [s[0] for s in steps] == ["harness.microbench"] * 2 + ["harness.run",
                                                                   "harness.simulate"]
@@ -50,6 +51,8 @@ def test_plan_measures_each_link_once_then_runs_and_predicts(tmp_path: Path) -> 
     assert {tuple(s[3:5]) for s in steps[:2]} == {("cluster.nodes=2", "cluster.workers_per_node=1")}
     assert p.out.parent == tmp_path and not p.out.exists()  # nothing made before it starts
     assert f"simulate.reference={p.out}" in steps[-1] and f"results_dir={p.out}" in steps[-1]
+    assert "simulate.trace=true" not in steps[2] and "run.trace=true" in steps[2]  # what each reads
+    assert "simulate.trace=true" in steps[3]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")

@@ -20,6 +20,11 @@ workers over eth1g and eth100m) and, into one results folder `<results_dir>/<tim
    the targets (median <= 10%, tau >= 0.6, max <= 25%); writes them as `selfcheck.csv`
    and draws `selfcheck_<model>.png`: measured beside predicted, bar by bar.
 
+With `run.trace=true simulate.trace=true` it also compares each configuration's traced
+iteration, measured (rank 0) against predicted: the median absolute difference of the
+units' completion times, as a share of the measured iteration (`harness.report
+timeline=<folder>/traces/<file>` draws both).
+
 `--selfcheck --predict <folder> [key=value ...]` predicts an earlier self-check's measured
 rows again (after a change of the model; its microbenchmarks, no run) and compares.
 
@@ -39,8 +44,8 @@ from pathlib import Path
 import pandas as pd
 
 from harness import config
-from harness.config import paths, usage
-from harness.measure import results
+from harness.config import checks, paths, usage
+from harness.measure import results, traces
 from harness.predict.calibrate import kendall_tau
 
 EXPERIMENT = "experiment=selfcheck"
@@ -84,10 +89,18 @@ def commands(p: Plan) -> list[list[str]]:
     shape (its all-reduce as Gloo runs it there, links.py), the measured sweep, the
     predicted one."""
     where = f"results_dir={p.out}"
+    own = [o for o in p.overrides if o.startswith("microbench.")]
     bench = [["harness.microbench", f"cluster={c}", f"network={n}", f"cluster.nodes={nodes}",
-              f"cluster.workers_per_node={w}", where] for c, n, nodes, w in p.links]
-    return [*bench, *[["harness.run", *p.overrides, where]] * p.measure,
-            ["harness.simulate", *p.overrides, where, f"simulate.reference={p.out}"]]
+              f"cluster.workers_per_node={w}", *own, where] for c, n, nodes, w in p.links]
+    return [*bench, *[["harness.run", *_read_by("harness.run", p.overrides), where]] * p.measure,
+            ["harness.simulate", *_read_by("harness.simulate", p.overrides), where,
+             f"simulate.reference={p.out}"]]
+
+
+def _read_by(command: str, overrides: list[str]) -> list[str]:
+    """The overrides `command` reads (run.* to harness.run, simulate.* to harness.simulate)."""
+    return [o for o in overrides
+            if o.split("=", 1)[0].lstrip("+~").split(".")[0] not in checks.NOT_READ[command]]
 
 
 def run(command: list[str]) -> tuple[int, str]:
@@ -201,6 +214,44 @@ def _panel(ax, rows: pd.DataFrame) -> None:
     ax.legend(fontsize=7, ncols=min(len(methods), 9), loc="upper left")
 
 
+def _traces(folder: Path) -> dict[tuple, dict[str, traces.Timeline]]:
+    """The newest trace of each configuration (traces.KEY) by source: rank 0's measured."""
+    found: dict[tuple, dict[str, traces.Timeline]] = {}
+    for path in sorted((folder / traces.FOLDER).glob("*.trace.json"),
+                       key=lambda f: f.stat().st_mtime):
+        tl = traces.read(path)
+        if tl.about.get("rank", 0) == 0:
+            found.setdefault(tuple(tl.about.get(k) for k in traces.KEY), {})[
+                tl.about["source"]] = tl
+    return found
+
+
+def unit_gap(measured: traces.Timeline, predicted: traces.Timeline) -> tuple[float, int]:
+    """Median absolute difference of each unit's completion (from its iteration's start),
+    as a share of the measured iteration, over the units both traced iterations hold; and
+    their number (NaN, 0 when none)."""
+    def ends(tl: traces.Timeline) -> dict[int, float]:
+        return {b.args["unit"]: b.end_s for b in tl.bars
+                if b.lane == "comm" and "unit" in b.args and 0 <= b.start_s <= tl.length_s}
+
+    m, p = ends(measured), ends(predicted)
+    gaps = [abs(m[u] - p[u]) / measured.length_s for u in m.keys() & p.keys()]
+    return (statistics.median(gaps) if gaps else float("nan")), len(gaps)
+
+
+def trace_lines(folder: Path) -> list[str]:
+    """Per configuration traced both ways: its iterations and the units' completion gap."""
+    lines = []
+    for key, pair in sorted(_traces(folder).items(), key=str):
+        if {"measured", "simulated"} <= pair.keys():
+            gap, n = unit_gap(pair["measured"], pair["simulated"])
+            lines.append(f"trace {' '.join(map(str, key))}: iteration measured "
+                         f"{pair['measured'].length_s * 1e3:.0f} ms, predicted "
+                         f"{pair['simulated'].length_s * 1e3:.0f} ms; unit completion median "
+                         f"abs difference {100 * gap:.0f}% of the iteration ({n} units)")
+    return lines
+
+
 def compare(out: Path) -> int:
     """Print and write the comparison of the measured and predicted rows in `out`."""
     both = cells(out)
@@ -212,6 +263,8 @@ def compare(out: Path) -> int:
     both.to_csv(out / "selfcheck_cells.csv", index=False)
     table.to_csv(out / "selfcheck.csv", index=False)
     print(verdict(table))
+    for line in trace_lines(out):  # with run.trace=true simulate.trace=true
+        print(line)
     for path in draw(both, out):
         print(f"drew {path}")
     return 0
