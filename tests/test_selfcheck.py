@@ -5,6 +5,7 @@ comparison's figures are the ones its rows give. Checks the machinery, not the n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -68,7 +69,9 @@ def test_selfcheck_measures_and_predicts_into_one_folder(tmp_path: Path) -> None
     rows = results.load(folder)
     assert sorted(rows.source.unique()) == ["measured", "simulated"]
     assert set(rows.method) == {"bsp_a2a", "wfbp_ps"} and (rows.status == "ok").all()
-    assert not results.load_microbench(folder / results.OTHER_DATA)[0].empty
+    [bench] = results.load_microbench(folder / results.OTHER_DATA)
+    assert {"p2p", "allreduce", "ps"} <= set(bench.kind)  # ps: through the real server
+    assert (bench[bench.kind == "ps"].seconds > 0).all()
     table = pd.read_csv(folder / "selfcheck.csv")
     assert table[["nodes", "workers_per_node", "cells"]].values.tolist() == [[2, 1, 2]]
     assert "validation, uncalibrated: median_abs_pct_error=" in out.stdout
@@ -84,7 +87,8 @@ def test_selfcheck_measures_and_predicts_into_one_folder(tmp_path: Path) -> None
 def _microbench(folder: Path, *, nodes: int, per_node: int, allreduce: tuple[float, float],
                 name: str) -> None:
     """A microbenchmark table as harness.microbench writes it (its fits only)."""
-    kinds = [("p2p", 1e-3, 8e-9), ("p2p_intra", 5e-5, 1e-10), ("allreduce", *allreduce)]
+    kinds = [("p2p", 1e-3, 8e-9), ("p2p_intra", 5e-5, 1e-10), ("allreduce", *allreduce),
+             ("ps", 5e-3, 4e-8)]
     frame = pd.DataFrame([{"kind": k, "ranks": "0-1", "bytes": 1024, "seconds": a,
                            "alpha_s": a, "beta_s_per_byte": b} for k, a, b in kinds])
     frame = frame.assign(run_id=name, cluster="emulated", network="eth1g",
@@ -93,7 +97,7 @@ def _microbench(folder: Path, *, nodes: int, per_node: int, allreduce: tuple[flo
     frame.to_parquet(folder / results.OTHER_DATA / f"{name}.parquet")
 
 
-def test_an_all_reduce_timed_on_the_shape_predicted_is_its_cost(tmp_path: Path) -> None:
+def test_what_was_timed_on_the_shape_predicted_is_its_cost(tmp_path: Path) -> None:
     _microbench(tmp_path, nodes=2, per_node=2, allreduce=(2e-3, 2e-8), name="a")
     _microbench(tmp_path, nodes=3, per_node=1, allreduce=(3e-3, 3e-8), name="b")
     cfg = config.load(["cluster=emulated", "network=eth1g", f"results_dir={tmp_path}"],
@@ -105,3 +109,12 @@ def test_an_all_reduce_timed_on_the_shape_predicted_is_its_cost(tmp_path: Path) 
     assert network.allreduce_s(net, mb, nodes=3, per_node=1) == pytest.approx(3e-3 + 3e-8 * mb)
     ring = 2 * 1e-3 + 8e-9 * mb  # a shape not measured: the ring over the link
     assert network.allreduce_s(net, mb, nodes=2, per_node=1) == pytest.approx(ring)
+    # a PS round trip through the real server: the server's handling is what the two
+    # messages over the link (2 pushes in, 2 answers out) leave of it; unmeasured, nothing
+    handling = network._handling(net, (2, 2), senders=2)
+    assert (handling.alpha, handling.beta) == pytest.approx((5e-3 - 2e-3, 4e-8 - 4 * 8e-9))
+    assert network._handling(net, (2, 1), senders=2) == Cost(0.0, 0.0)
+    served = network.ParameterServers(net, [[(mb, 0)]], 2, 2, 1, True)
+    bare = network.ParameterServers(dataclasses.replace(net, ps=()), [[(mb, 0)]], 2, 2, 1, True)
+    assert served.issue(0, mb, 0.0) - bare.issue(0, mb, 0.0) == pytest.approx(
+        handling.seconds(mb))  # on the server's in-link, the partition's critical path

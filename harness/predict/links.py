@@ -7,7 +7,10 @@ Gloo on 2 and 3 emulated nodes runs slower than that ring (its own algorithm, it
 the token bucket's bursts), so where the microbenchmark timed the all-reduce on the very
 shape predicted, its fit is the all-reduce's cost. An emulated node's workers talk over the
 node's own loopback, not its shaped link: `p2p_intra` (timed where nodes have 2 workers) is
-that link, else the point-to-point one stands in."""
+that link, else the point-to-point one stands in. A PS unit's round trip through the real
+server (`kind=ps`, measured where the microbenchmark ran a PS method: harness/measure/
+psbench.py) costs more than its two messages over the link: what it costs beyond them
+is the server's handling, on the shape measured (network.ParameterServers)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class Measured:
     link: Cost
     intra: Cost | None = None
     allreduce: dict[Shape, Cost] = field(default_factory=dict)
+    ps: dict[Shape, Cost] = field(default_factory=dict)  # a push/pull round trip (psbench)
 
 
 def measured(cfg: Config) -> Measured:
@@ -49,7 +53,9 @@ def measured(cfg: Config) -> Measured:
     intra = [f for f in fits if (f.kind == "p2p_intra").any()]
     return Measured(_cost(cfg, folder, link[-1], "p2p"),
                     _cost(cfg, folder, intra[-1], "p2p_intra") if intra else None,
-                    {shape: _cost(cfg, folder, f, "allreduce") for shape, f in _shapes(fits)})
+                    {shape: _cost(cfg, folder, f, "allreduce") for shape, f in _shapes(fits)},
+                    {shape: _cost(cfg, folder, f, "ps") for shape, f in _shapes(fits)
+                     if (f.kind == "ps").any()})
 
 
 def _shapes(fits: list[pd.DataFrame]) -> list[tuple[Shape, pd.DataFrame]]:

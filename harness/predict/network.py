@@ -40,6 +40,7 @@ class Network:
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
     server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
     gloo: tuple = ()  # ((nodes, workers per node), Cost): all-reduces measured (links.py)
+    ps: tuple = ()    # the same, a push/pull round trip through the real server (links.py)
 
 
 # The study's 4-GPU ring all-reduce on PCIe 3.0 (conf/network/ib100_rdma.yaml): 1.34 GB in
@@ -66,7 +67,7 @@ def network(cfg: Config) -> Network:
                        STUDY_SERVER_MEMORY_BYTES_PER_S)
     link = links.measured(cfg)  # this machine's: the microbenchmarks of links.py
     return Network(net.name, link.intra or link.link, link.link, "ring", False,
-                   gloo=tuple(link.allreduce.items()))
+                   gloo=tuple(link.allreduce.items()), ps=tuple(link.ps.items()))
 
 
 def _intra_beta(cfg: Config) -> float:
@@ -229,12 +230,14 @@ class ParameterServers:
         lanes = sums.lanes(parts, len(self.names))
         per_all, per_tail, lead = sums.factors
         wire = senders * inter.beta
-        # per unit, per partition: (bus seconds, node link seconds, server link seconds,
-        # the server's links, its engine lane, engine seconds in all, after the last push,
-        # and the lead of its second push over its last); on the root path the bus is the
-        # whole unit's, below
+        handling = _handling(net, (nodes, per_node), senders)
+        # per unit, per partition: (bus seconds, node link seconds, server link seconds, the
+        # server's handling beyond them (measured: `_handling`), the server's links, its
+        # engine lane, engine seconds in all, after the last push, and the lead of its
+        # second push over its last); on the root path the bus is the whole unit's, below
         self.steps = [[(intra.seconds(size * bus_share) if bus_share and not whole else 0.0,
-                        size * node_share * inter.beta, size * wire, 4 + 2 * server,
+                        size * node_share * inter.beta, size * wire, handling.seconds(size),
+                        4 + 2 * server,
                         5 + 2 * server, lane, size * per_all, size * per_tail, size * wire * lead)
                        for (size, server), lane in zip(unit, unit_lanes)]
                       for unit, unit_lanes in zip(parts, lanes)]
@@ -271,7 +274,7 @@ class ParameterServers:
             busy[2] += whole
             if log is not None:
                 log.append((self._name(2), unit, t - whole, t))
-        for bus, node, server, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
+        for bus, node, server, handle, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
             start, up_bus, down_bus = t, bus, bus
             if bus:  # bus up
                 start = t if t > free[2] else free[2]
@@ -283,9 +286,9 @@ class ParameterServers:
             up = (start if start > free[0] else free[0]) + node  # node up
             free[0] = up
             busy[0] += node
-            into = (start if start > free[s_in] else free[s_in]) + server  # server in
+            into = (start if start > free[s_in] else free[s_in]) + server + handle  # server in
             free[s_in] = into
-            busy[s_in] += server
+            busy[s_in] += server + handle
             pushed = (up if up > into else into) + alpha
             if summing:  # the engine lane: from the second push, the rest after the last
                 begun = pushed - lead
@@ -314,7 +317,7 @@ class ParameterServers:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
                 log += [(self._name(i), unit, free[i] - spent, free[i])
-                        for i, spent in ((2, up_bus), (0, node), (s_in, server),
+                        for i, spent in ((2, up_bus), (0, node), (s_in, server + handle),
                                          (lane, summing), (s_out, server), (1, node),
                                          (3, down_bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
@@ -335,6 +338,17 @@ class ParameterServers:
         """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""
         issue = self.issue
         return [issue(i, b, t) for i, (b, t) in enumerate(zip(nbytes, ready))]
+
+
+def _handling(net: Network, shape: tuple[int, int], senders: int) -> Cost:
+    """A partition's cost on its server beyond its messages: the round trip measured
+    through the real server on this shape (links.py) less the two messages' alpha and the
+    bytes of `senders` pushes and answers over the server's link; nothing unmeasured."""
+    rt = dict(net.ps).get(shape)
+    if rt is None:
+        return Cost(0.0, 0.0)
+    return Cost(max(0.0, rt.alpha - 2 * net.inter.alpha),
+                max(0.0, rt.beta - 2 * senders * net.inter.beta))
 
 
 class _Summing:

@@ -8,8 +8,9 @@ method on bert_tiny and resnet50_small, emulated clusters of 2 and 3 nodes x 1 a
 workers over eth1g and eth100m) and, into one results folder `<results_dir>/<timestamp>/`:
 
 1. measures each network of the sweep with `harness.microbench` on each cluster shape
-   of the sweep (the point-to-point link, the link inside a node and the all-reduce as
-   Gloo runs it on that shape: harness/predict/links.py);
+   of the sweep, with parameter servers (the point-to-point link, the link inside a node,
+   the all-reduce as Gloo runs it on that shape and a push/pull round trip through the
+   real server: harness/predict/links.py);
 2. runs the sweep (`harness.run`, source=measured rows);
 3. predicts the same sweep from what a user has: that microbenchmark and the compute
    profile measured here (`harness.simulate simulate.reference=<the folder>`, which prints
@@ -91,7 +92,8 @@ def commands(p: Plan) -> list[list[str]]:
     where = f"results_dir={p.out}"
     own = [o for o in p.overrides if o.startswith("microbench.")]
     bench = [["harness.microbench", f"cluster={c}", f"network={n}", f"cluster.nodes={nodes}",
-              f"cluster.workers_per_node={w}", *own, where] for c, n, nodes, w in p.links]
+              f"cluster.workers_per_node={w}", "method=bsp_ps", *own, where]  # with servers
+             for c, n, nodes, w in p.links]
     return [*bench, *[["harness.run", *_read_by("harness.run", p.overrides), where]] * p.measure,
             ["harness.simulate", *_read_by("harness.simulate", p.overrides), where,
              f"simulate.reference={p.out}"]]
