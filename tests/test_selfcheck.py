@@ -14,7 +14,7 @@ import pytest
 
 from harness import config
 from harness.config import checks
-from harness.measure import results
+from harness.measure import results, traces
 from harness.predict import network, selfcheck
 from methods.costmodel import Cost
 from tests.conftest import run_module
@@ -118,3 +118,19 @@ def test_what_was_timed_on_the_shape_predicted_is_its_cost(tmp_path: Path) -> No
     bare = network.ParameterServers(dataclasses.replace(net, ps=()), [[(mb, 0)]], 2, 2, 1, True)
     assert served.issue(0, mb, 0.0) - bare.issue(0, mb, 0.0) == pytest.approx(
         handling.seconds(mb))  # on the server's in-link, the partition's critical path
+
+
+def _timeline(source: str, backward_end: float, unit_ends: list[float]) -> traces.Timeline:
+    bars = [traces.Bar("compute", "backward", 0.1, backward_end, {})]
+    bars += [traces.Bar("comm", f"unit {u}", 0.2, end, {"unit": u})
+             for u, end in enumerate(unit_ends)]
+    return traces.Timeline({"source": source}, 1.0, ["compute", "comm"], bars)
+
+
+def test_unit_completion_gap_with_and_without_the_compute() -> None:
+    measured = _timeline("measured", 0.5, [0.6, 0.7, 0.9])
+    predicted = _timeline("simulated", 0.7, [0.8, 0.9, 1.0])  # backward 0.2 s late
+    gap, n = selfcheck.unit_gap(measured, predicted)
+    assert n == 3 and gap == pytest.approx(0.2)  # median of 0.2, 0.2, 0.1 over 1 s
+    late, _ = selfcheck.unit_gap(measured, predicted, after_backward=True)
+    assert late == pytest.approx(0.0)  # the same once each is counted from its backward

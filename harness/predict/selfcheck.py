@@ -228,12 +228,17 @@ def _traces(folder: Path) -> dict[tuple, dict[str, traces.Timeline]]:
     return found
 
 
-def unit_gap(measured: traces.Timeline, predicted: traces.Timeline) -> tuple[float, int]:
-    """Median absolute difference of each unit's completion (from its iteration's start),
+def unit_gap(measured: traces.Timeline, predicted: traces.Timeline, *,
+             after_backward: bool = False) -> tuple[float, int]:
+    """Median absolute difference of each unit's completion (from its iteration's start;
+    `after_backward`: from the end of its backward, which leaves the compute's error out),
     as a share of the measured iteration, over the units both traced iterations hold; and
     their number (NaN, 0 when none)."""
     def ends(tl: traces.Timeline) -> dict[int, float]:
-        return {b.args["unit"]: b.end_s for b in tl.bars
+        back = [b.end_s for b in tl.bars if b.lane == "compute" and b.name == "backward"
+                and b.start_s <= tl.length_s]
+        zero = max(back, default=0.0) if after_backward else 0.0
+        return {b.args["unit"]: b.end_s - zero for b in tl.bars
                 if b.lane == "comm" and "unit" in b.args and 0 <= b.start_s <= tl.length_s}
 
     m, p = ends(measured), ends(predicted)
@@ -247,10 +252,12 @@ def trace_lines(folder: Path) -> list[str]:
     for key, pair in sorted(_traces(folder).items(), key=str):
         if {"measured", "simulated"} <= pair.keys():
             gap, n = unit_gap(pair["measured"], pair["simulated"])
+            late, _ = unit_gap(pair["measured"], pair["simulated"], after_backward=True)
             lines.append(f"trace {' '.join(map(str, key))}: iteration measured "
                          f"{pair['measured'].length_s * 1e3:.0f} ms, predicted "
                          f"{pair['simulated'].length_s * 1e3:.0f} ms; unit completion median "
-                         f"abs difference {100 * gap:.0f}% of the iteration ({n} units)")
+                         f"abs difference {100 * gap:.0f}% of the iteration, {100 * late:.0f}% "
+                         f"counted from the end of backward ({n} units)")
     return lines
 
 
