@@ -37,14 +37,14 @@ Each ratio is taken within a round (runs minutes apart, so the slow drift of a
 shared machine cancels) and the median over the rounds is the figure; every
 round's value is printed and saved too.
 
-Results land in `<results-dir>/<timestamp>/round<k>/`; the ratios are printed and
-saved as `<results-dir>/<timestamp>/ratios.json`.
+Results land in `<results-dir>/<timestamp>/round<k>/`, the ratios also in `ratios.json`.
 
 `--simulate` times the simulator instead, as a user meets it (a whole `python -m
 harness.simulate` process, warm cache: one untimed run of each first): the study's
 sweep calibrated on its published numbers (`--reference`, if found), and the what-if
 sweeps (whatif: 110,160 on the fast path; whatif_study), interleaved over `--rounds`;
-each one's median and range against its target, saved as `simulate.json`.
+each one's median and range against its target, saved as `simulate.json`. `--selfcheck
+[key=value ...]` measures and predicts experiment=selfcheck (harness/predict/selfcheck.py).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from harness.launch import failure
 from harness.launch.launcher import Terminated, launch, signals_raise
 from harness.launch.rank import new_run_id
 from harness.measure import progress, results
+from harness.predict import selfcheck
 from methods.layout import NODE_REDUCES
 
 ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
@@ -78,12 +79,10 @@ ROOT = "@root"  # a PS method on the node path through the root (node_reduce=roo
 UNMETERED = "@unmetered"  # a method without its host meter (run.method_host=false)
 TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"],
          UNMETERED: ["run.method_host=false"]}
-# what each optimization buys over its plain twin: PS methods over BSP-PS, ByteScheduler's
-# scheduling over per-tensor all-reduce
 # the simulator's sweeps timed by --simulate, with their targets in seconds (issue 25)
 SIMULATIONS = {"paper": (["experiment=paper", "network=ib100_rdma"], 2.0),
                **{w: ([f"experiment={w}"], 30.0) for w in ("whatif", "whatif_study")}}
-PS = ("bsp_ps", "wfbp_ps", "bytescheduler_ps", "priority_ps")
+PS = ("bsp_ps", "wfbp_ps", "bytescheduler_ps", "priority_ps")  # PAIRS: what each buys
 PAIRS = (*((m, "bsp_ps") for m in PS[1:]), ("bytescheduler_a2a", "wfbp_a2a"),
          *((m + ROOT, "bsp_ps" + ROOT) for m in PS[1:]), *((m, m + ROOT) for m in PS))
 
@@ -119,9 +118,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--simulate", action="store_true",
                         help="time the simulator's paper and what-if sweeps instead")
     parser.add_argument("--reference", default="study",
-                        help="published throughputs to calibrate and validate the paper "
-                             "sweep on (--simulate): a CSV, or study (the default: "
-                             "conf/reference/shi2020_ib100.csv)")
+                        help="published throughputs to calibrate and validate the paper sweep "
+                             "on (--simulate): a CSV, or study (conf/reference/shi2020_ib100.csv)")
     return parser.parse_args(argv)
 
 
@@ -357,6 +355,8 @@ def round_runs(runs: dict[int, list[str]], rnd: int) -> list[tuple[int, str]]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--selfcheck"]:  # its own overrides and help: harness/predict/selfcheck.py
+        return selfcheck.command(argv[1:])
     argv = ["--help"] if usage.asked(argv) else argv  # -help, help: argparse's help
     try:
         args = parse_args(argv)

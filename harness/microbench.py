@@ -17,7 +17,11 @@ The point-to-point kinds (column `ranks` says which pair): `p2p` is the network 
 nodes, rank 0 and rank `cluster.workers_per_node` (the first worker of node 1); on a
 single node, the link between its first two workers, the only one there is.
 `p2p_intra`, measured apart where several nodes have several workers each, is the link
-inside a node (ranks 0 and 1).
+inside a node (ranks 0 and 1). With a PS `method=` (servers exist from 2 nodes on), `ps`
+is a push/pull round trip per size through the real parameter server, every node's root
+pushing (harness/measure/psbench.py). Each row names the cluster's `nodes` and
+`workers_per_node`: the simulator takes the all-reduce and the PS round trip of the shape
+it predicts from there (harness/predict/links.py).
 """
 
 from __future__ import annotations

@@ -331,6 +331,16 @@ ROWS = [
     # the what-if fast path checks each job's shape (issue 41, item 4)
     ("harness.simulate", ["experiment=whatif", "cluster.nodes=1,2,4,8,16,32,64,x"],
      ["cluster.nodes=x is not a count of at least 1", "cluster.nodes=2"]),
+    # the simulator against our own runs: methodbench --selfcheck (issue 43)
+    ("harness.methodbench", ["--selfcheck", "bert_tiny"],
+     ["--selfcheck takes key=value overrides, not 'bert_tiny'"]),
+    ("harness.methodbench", ["--selfcheck", "model=bert_tin"], ["model 'bert_tin' is unknown"]),
+    ("harness.methodbench", ["--selfcheck", "results_dir={tmp}/file.txt"],
+     ["results_dir={tmp}/file.txt is a file"]),
+    ("harness.methodbench", ["--selfcheck", "--predict"], ["--predict needs the folder"]),
+    ("harness.methodbench", ["--selfcheck", "run.warmup_iters=3"], ["run.warmup_iters>=5"]),
+    ("harness.methodbench", ["--selfcheck", "--predict", "{tmp}"],
+     ["--predict {tmp} holds no microbenchmark"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"
@@ -368,6 +378,8 @@ DEFAULTS = {  # where each command would write, inside the scratch folder
 
 def _argv(module: str, args: list[str]) -> list[str]:
     """The row's arguments after the command's defaults that it does not set itself."""
+    if module == "harness.methodbench" and args[:1] == ["--selfcheck"]:
+        return args  # Hydra overrides of its own (harness/predict/selfcheck.py)
     if module == "harness.methodbench":
         flags = {a for a in args if a.startswith("--")}
         pairs = list(zip(DEFAULTS[module][::2], DEFAULTS[module][1::2]))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness.launch.rank import Context
-from harness.measure import results
+from harness.measure import psbench, results
 from harness.measure.timing import device_sync
 from methods.costmodel import least_squares
 from methods.costtiming import time_allreduce
@@ -71,7 +71,8 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
-    if not ctx.is_worker:  # a PS method's servers: nothing of theirs is measured
+    if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
+        psbench.server(ctx)
         return
     rows = []
     links = pairs(nodes=cfg.cluster.nodes, workers_per_node=cfg.cluster.workers_per_node)
@@ -83,10 +84,15 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
                 nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair)))
         rows.append(("allreduce", "all", nbytes, time_allreduce(
             ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
+    if ctx.num_servers:  # a PS method: its round trip through the real server (psbench.py)
+        rows += psbench.round_trips(ctx, sizes(cfg), repeats=cfg.microbench.repeats,
+                                    per_node=cfg.cluster.workers_per_node)
     if ctx.rank == 0:
         frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
-                             network=cfg.network.name, world_size=ctx.num_workers)
+                             network=cfg.network.name, world_size=ctx.num_workers,
+                             nodes=cfg.cluster.nodes,  # the shape its all-reduce ran on
+                             workers_per_node=cfg.cluster.workers_per_node)
         path = Path(cfg.results_dir) / FOLDER / f"{ctx.run_id}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(path)

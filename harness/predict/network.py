@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from harness import config
 from harness.config import gpus
 from harness.config.frozen import Config
-from harness.measure import results
+from harness.predict import links
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
 from methods.costmodel import Cost, least_squares
 from methods.server_queue import ThreadBinding
@@ -40,6 +39,8 @@ class Network:
     allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
     server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
+    gloo: tuple = ()  # ((nodes, workers per node), Cost): all-reduces measured (links.py)
+    ps: tuple = ()    # the same, a push/pull round trip through the real server (links.py)
 
 
 # The study's 4-GPU ring all-reduce on PCIe 3.0 (conf/network/ib100_rdma.yaml): 1.34 GB in
@@ -64,8 +65,9 @@ def network(cfg: Config) -> Network:
         return Network(net.name, Cost(net.intra_node.alpha_s, _intra_beta(cfg)), inter,
                        net.get("allreduce", "ring"), bool(net.get("ps_host_copy", False)),
                        STUDY_SERVER_MEMORY_BYTES_PER_S)
-    link = _microbench_link(cfg)
-    return Network(net.name, link, link, "ring", False)
+    link = links.measured(cfg)  # this machine's: the microbenchmarks of links.py
+    return Network(net.name, link.intra or link.link, link.link, "ring", False,
+                   gloo=tuple(link.allreduce.items()), ps=tuple(link.ps.items()))
 
 
 def _intra_beta(cfg: Config) -> float:
@@ -85,34 +87,14 @@ def key(cfg: Config) -> tuple[str, str]:
     return cfg.network.name, cfg.simulate.compute
 
 
-def _microbench_link(cfg: Config) -> Cost:
-    """The point-to-point alpha/beta of the newest microbenchmark of this network."""
-    folder = Path(cfg.results_dir) / results.OTHER_DATA
-    fits = [f for f in results.load_microbench(folder)
-            if (f.network == cfg.network.name).all() and (f.kind == "p2p").any()]
-    if not fits:
-        where = "cluster=emulated " if cfg.network.get("rate_mbit") else ""
-        raise config.ConfigError(
-            f"network={cfg.network.name} has no measured link in {folder}; measure it first: "
-            f"python -m harness.microbench {where}network={cfg.network.name} "
-            f"cluster.{'nodes' if where else 'workers_per_node'}=2")
-    p2p = fits[-1][fits[-1].kind == "p2p"].iloc[0]
-    alpha, beta = float(p2p.alpha_s), float(p2p.beta_s_per_byte)
-    # beta 0 is a fit over small messages only (clamped at 0); negative or no number is none
-    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta >= 0):
-        raise config.ConfigError(
-            f"the newest microbenchmark of network={cfg.network.name} in {folder} fits its "
-            f"link with alpha={alpha:g} s and beta={beta:g} s/byte, which no link has; measure "
-            f"it again: python -m harness.microbench network={cfg.network.name} "
-            "cluster.workers_per_node=2")
-    return Cost(alpha, beta)
-
-
 def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> float:
     """Seconds of one all-reduce of `nbytes` over nodes x per_node workers."""
     p = nodes * per_node
     if p == 1 or nbytes == 0:
         return 0.0
+    for shape, cost in net.gloo:  # timed on this very shape: as Gloo runs it
+        if shape == (nodes, per_node):
+            return cost.seconds(nbytes)
     links = ([net.intra] if per_node > 1 else []) + ([net.inter] if nodes > 1 else [])
     alpha, beta = max(c.alpha for c in links), max(c.beta for c in links)
     moved = 2 * (p - 1) / p * nbytes * beta  # every link of a ring carries this much
@@ -248,12 +230,14 @@ class ParameterServers:
         lanes = sums.lanes(parts, len(self.names))
         per_all, per_tail, lead = sums.factors
         wire = senders * inter.beta
-        # per unit, per partition: (bus seconds, node link seconds, server link seconds,
-        # the server's links, its engine lane, engine seconds in all, after the last push,
-        # and the lead of its second push over its last); on the root path the bus is the
-        # whole unit's, below
+        handling = _handling(net, (nodes, per_node), senders)
+        # per unit, per partition: (bus seconds, node link seconds, server link seconds, the
+        # server's handling beyond them (measured: `_handling`), the server's links, its
+        # engine lane, engine seconds in all, after the last push, and the lead of its
+        # second push over its last); on the root path the bus is the whole unit's, below
         self.steps = [[(intra.seconds(size * bus_share) if bus_share and not whole else 0.0,
-                        size * node_share * inter.beta, size * wire, 4 + 2 * server,
+                        size * node_share * inter.beta, size * wire, handling.seconds(size),
+                        4 + 2 * server,
                         5 + 2 * server, lane, size * per_all, size * per_tail, size * wire * lead)
                        for (size, server), lane in zip(unit, unit_lanes)]
                       for unit, unit_lanes in zip(parts, lanes)]
@@ -290,7 +274,7 @@ class ParameterServers:
             busy[2] += whole
             if log is not None:
                 log.append((self._name(2), unit, t - whole, t))
-        for bus, node, server, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
+        for bus, node, server, handle, s_in, s_out, lane, summing, tail, lead in self.steps[unit]:
             start, up_bus, down_bus = t, bus, bus
             if bus:  # bus up
                 start = t if t > free[2] else free[2]
@@ -302,9 +286,9 @@ class ParameterServers:
             up = (start if start > free[0] else free[0]) + node  # node up
             free[0] = up
             busy[0] += node
-            into = (start if start > free[s_in] else free[s_in]) + server  # server in
+            into = (start if start > free[s_in] else free[s_in]) + server + handle  # server in
             free[s_in] = into
-            busy[s_in] += server
+            busy[s_in] += server + handle
             pushed = (up if up > into else into) + alpha
             if summing:  # the engine lane: from the second push, the rest after the last
                 begun = pushed - lead
@@ -333,7 +317,7 @@ class ParameterServers:
                 done = pulled
             if log is not None:  # the links this partition used, each until it was done
                 log += [(self._name(i), unit, free[i] - spent, free[i])
-                        for i, spent in ((2, up_bus), (0, node), (s_in, server),
+                        for i, spent in ((2, up_bus), (0, node), (s_in, server + handle),
                                          (lane, summing), (s_out, server), (1, node),
                                          (3, down_bus)) if spent]
         if whole:  # root: back to the device and broadcast after the last pull
@@ -354,6 +338,17 @@ class ParameterServers:
         """`issue` of every unit in turn, unit i moving nbytes[i] from ready[i]."""
         issue = self.issue
         return [issue(i, b, t) for i, (b, t) in enumerate(zip(nbytes, ready))]
+
+
+def _handling(net: Network, shape: tuple[int, int], senders: int) -> Cost:
+    """A partition's cost on its server beyond its messages: the round trip measured
+    through the real server on this shape (links.py) less the two messages' alpha and the
+    bytes of `senders` pushes and answers over the server's link; nothing unmeasured."""
+    rt = dict(net.ps).get(shape)
+    if rt is None:
+        return Cost(0.0, 0.0)
+    return Cost(max(0.0, rt.alpha - 2 * net.inter.alpha),
+                max(0.0, rt.beta - 2 * senders * net.inter.beta))
 
 
 class _Summing:

@@ -1,0 +1,79 @@
+"""This machine's networks as `harness.microbench` measured them (loopback, the emulated
+links): the point-to-point link between nodes, the link inside a node, and the all-reduce
+as Gloo ran it on each cluster shape measured (nodes x workers per node).
+
+The simulator models an all-reduce as a ring over the point-to-point link (network.py);
+Gloo on 2 and 3 emulated nodes runs slower than that ring (its own algorithm, its threads,
+the token bucket's bursts), so where the microbenchmark timed the all-reduce on the very
+shape predicted, its fit is the all-reduce's cost. An emulated node's workers talk over the
+node's own loopback, not its shaped link: `p2p_intra` (timed where nodes have 2 workers) is
+that link, else the point-to-point one stands in. A PS unit's round trip through the real
+server (`kind=ps`, measured where the microbenchmark ran a PS method: harness/measure/
+psbench.py) costs more than its two messages over the link: what it costs beyond them
+is the server's handling, on the shape measured (network.ParameterServers)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from harness import config
+from harness.config.frozen import Config
+from harness.measure import results
+from methods.costmodel import Cost
+
+Shape = tuple[int, int]  # (nodes, workers per node)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A network's measured costs: `link` between nodes, `intra` inside one (None: not
+    measured) and `allreduce` per cluster shape (the newest of each)."""
+    link: Cost
+    intra: Cost | None = None
+    allreduce: dict[Shape, Cost] = field(default_factory=dict)
+    ps: dict[Shape, Cost] = field(default_factory=dict)  # a push/pull round trip (psbench)
+
+
+def measured(cfg: Config) -> Measured:
+    """The newest microbenchmarks of `cfg.network` in `<results_dir>/microbench/`:
+    ConfigError when none timed its link, or the link's fit is no link's."""
+    folder = Path(cfg.results_dir) / results.OTHER_DATA
+    fits = [f for f in results.load_microbench(folder) if (f.network == cfg.network.name).all()]
+    link = [f for f in fits if (f.kind == "p2p").any()]
+    if not link:
+        where = "cluster=emulated " if cfg.network.get("rate_mbit") else ""
+        raise config.ConfigError(
+            f"network={cfg.network.name} has no measured link in {folder}; measure it first: "
+            f"python -m harness.microbench {where}network={cfg.network.name} "
+            f"cluster.{'nodes' if where else 'workers_per_node'}=2")
+    intra = [f for f in fits if (f.kind == "p2p_intra").any()]
+    return Measured(_cost(cfg, folder, link[-1], "p2p"),
+                    _cost(cfg, folder, intra[-1], "p2p_intra") if intra else None,
+                    {shape: _cost(cfg, folder, f, "allreduce") for shape, f in _shapes(fits)},
+                    {shape: _cost(cfg, folder, f, "ps") for shape, f in _shapes(fits)
+                     if (f.kind == "ps").any()})
+
+
+def _shapes(fits: list[pd.DataFrame]) -> list[tuple[Shape, pd.DataFrame]]:
+    """Each microbenchmark that names its cluster's shape, oldest first (the newest of a
+    shape wins); older tables without the shape are the link's alone."""
+    return [((int(f.nodes.iloc[0]), int(f.workers_per_node.iloc[0])), f) for f in fits
+            if {"nodes", "workers_per_node"} <= set(f.columns) and (f.kind == "allreduce").any()]
+
+
+def _cost(cfg: Config, folder: Path, fit: pd.DataFrame, kind: str) -> Cost:
+    """The alpha/beta of `kind` in one microbenchmark, checked finite and >= 0."""
+    row = fit[fit.kind == kind].iloc[0]
+    alpha, beta = float(row.alpha_s), float(row.beta_s_per_byte)
+    # beta 0 is a fit over small messages only (clamped at 0); negative or no number is none
+    if not (math.isfinite(alpha) and math.isfinite(beta) and alpha >= 0 and beta >= 0):
+        raise config.ConfigError(
+            f"the newest microbenchmark of network={cfg.network.name} in {folder} fits its "
+            f"{kind} with alpha={alpha:g} s and beta={beta:g} s/byte, which no link has; "
+            f"measure it again: python -m harness.microbench network={cfg.network.name} "
+            "cluster.workers_per_node=2")
+    return Cost(alpha, beta)
