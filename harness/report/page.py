@@ -157,12 +157,18 @@ def render(
         ("missing", "Missing and failed", _gaps_html(gaps)),
         ("provenance", "Provenance", _provenance_html(rows)),
     ]
+    return document("ddlbench report", intro, sections)
+
+
+def document(title: str, intro: str, sections: list[tuple[str, str, str]]) -> str:
+    """A self-contained page: `title`, `intro` (`code` in backticks) and a navigation bar
+    over `sections` (anchor, heading, HTML body; the heading up to " (" in the bar)."""
     intro_html = re.sub(r"`([^`]*)`", r"<code>\1</code>", _esc(intro))
     nav = "".join(f'<a href="#{a}">{_esc(t.split(" (")[0])}</a>' for a, t, _ in sections)
     return "\n".join([
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">',
-        f"<title>ddlbench report</title>\n<style>{STYLE}</style>\n</head>\n<body>",
-        f"<h1>ddlbench report</h1>\n<p>{intro_html}</p>\n<nav>{nav}</nav>",
+        f"<title>{_esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>",
+        f"<h1>{_esc(title)}</h1>\n<p>{intro_html}</p>\n<nav>{nav}</nav>",
         *(_section(*s) for s in sections),
         "</body>\n</html>\n",
     ])

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from harness.report.data import _log
-from harness.report.page import STYLE, _esc, _figures_html, _provenance_html, html_table
+from harness.report.page import _figures_html, _provenance_html, document, html_table
 from harness.report.style import method_color, method_order
 
 TIED = (0.85, 0.85, 0.85, 1.0)  # a cell where three or more methods tie (e.g. one GPU)
@@ -130,12 +130,4 @@ def render(intro: str, best: pd.DataFrame, figures: dict[str, list[Path]],
         ("shares", "Cells each method wins, per model and GPU", html_table(shares(best))),
         ("provenance", "Provenance", _provenance_html(rows)),
     ]
-    intro_html = re.sub(r"`([^`]*)`", r"<code>\1</code>", _esc(intro))
-    nav = "".join(f'<a href="#{a}">{_esc(t)}</a>' for a, t, _ in body)
-    return "\n".join([
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">',
-        f"<title>ddlbench what-if report</title>\n<style>{STYLE}</style>\n</head>\n<body>",
-        f"<h1>ddlbench what-if report</h1>\n<p>{intro_html}</p>\n<nav>{nav}</nav>",
-        *(f'<h2 id="{a}">{_esc(t)}</h2>\n{b}' for a, t, b in body),
-        "</body>\n</html>\n",
-    ])
+    return document("ddlbench what-if report", intro, body)
