@@ -137,6 +137,10 @@ def test_every_experiment_expands_to_valid_jobs() -> None:
             assert sum(len(g.nodes) for g in fastsweep.load(simulated)) == len(simulated)
             continue
         assert len(config.load_all(simulated, simulate=True)) == len(simulated)
+        if config.compose_raw([f"experiment={name}"]).cluster.name == "emulated":
+            # selfcheck: emulated nodes of this machine (namespaces made when it runs)
+            assert len(config.load_all(jobs, simulate=True)) == len(jobs)
+            continue
         for job in jobs:
             if job not in simulated:
                 config.load([*job, "cluster=slurm"])
