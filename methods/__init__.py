@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 BYTES_PER_ELEMENT = 4  # fp32, to compare sizes given in different units before launch
 # torch-side names, imported on first use (`methods.Engine`, `methods.serve`, ...)
 LAZY = {"Method": "methods.base", "Engine": "methods.engine", "on_engine": "methods.params",
-        "serve": "methods.server", "stop_servers": "methods.ps"}
+        "serve": "methods.ps.server", "stop_servers": "methods.ps.transport"}
 
 __all__ = ["Method", "Engine", "build", "check", "on_engine", "serve", "stop_servers",
            "uses_servers", "wrong_type"]
@@ -46,7 +46,7 @@ def _split(part: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def uses_servers(method: Mapping[str, Any], *, nodes: int) -> bool:
     """Whether the method needs parameter-server processes on `nodes` nodes: PS methods do,
-    except with node-local aggregation (the default) on one node (methods/ps.py)."""
+    except with node-local aggregation (the default) on one node (methods/ps/transport.py)."""
     transport = method["transport"]
     return transport["name"] == "ps" and not (transport.get("local_reduce", True) and nodes == 1)
 

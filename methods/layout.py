@@ -1,6 +1,6 @@
 """Where parameter-server traffic goes: BytePS's partitions, keys and servers.
 
-One module for the PS transport (methods/ps.py), the plan viewer (harness/plan.py) and
+One module for the PS transport (methods/ps/transport.py), the plan viewer (harness/plan.py) and
 the simulator, so a run, its printed plan and its prediction place every byte alike.
 
 As BytePS v0.2.x: each communication unit is cut into pieces of at most
@@ -24,7 +24,7 @@ from methods.plan import Unit
 
 PARTITION_BYTES = 4_096_000  # BytePS's partition size in the study
 ASSIGNMENTS = ("hash", "balanced")
-NODE_REDUCES = ("scatter", "root")  # node-local aggregation (methods/ps.py)
+NODE_REDUCES = ("scatter", "root")  # node-local aggregation (methods/ps/transport.py)
 STAGES = {  # one partition's way on a node of several workers, per node_reduce
     "scatter": "reduce-scatter in node (leftover to root) -> slice to shared host -> "
                "push/pull by root -> slice back -> all-gather (leftover broadcast)",

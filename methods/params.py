@@ -52,7 +52,7 @@ class NoArgs:
 
 @dataclass(frozen=True)
 class PSArgs:
-    """methods.ps.PSTransport: BytePS's switches (its module docstring)."""
+    """methods.ps.transport.PSTransport: BytePS's switches (its module docstring)."""
 
     partition_bytes: int = PARTITION_BYTES
     local_reduce: bool = True
@@ -117,7 +117,7 @@ TRANSPORT_INJECTED = ("group", "timeout_s", "workers_per_node", "node_groups")
 TRANSPORTS: dict[str, Piece | None] = {
     "allreduce": Piece("methods.allreduce:AllreduceTransport", NoArgs, ("group", "timeout_s")),
     "horovod": Piece("methods.horovod:HorovodTransport", NoArgs, ("group", "timeout_s")),
-    "ps": Piece("methods.ps:PSTransport", PSArgs, TRANSPORT_INJECTED),
+    "ps": Piece("methods.ps.transport:PSTransport", PSArgs, TRANSPORT_INJECTED),
     "ddp": None,  # torch DDP is a whole method (DDP below), not a transport of the engine
 }
 PLANNERS: dict[str, Piece] = {

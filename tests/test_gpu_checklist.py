@@ -158,8 +158,8 @@ def test_15_a_frozen_rank_under_nccl_is_blamed_not_its_aborted_peer(tmp_path) ->
 
 
 def test_16_the_shared_buffer_is_page_locked_while_registered(tmp_path) -> None:
-    from methods.ps_node import HostStaging
-    from methods.ps_shared import pin, unpin
+    from methods.ps.node import HostStaging
+    from methods.ps.shared import pin, unpin
 
     numel = 64 << 20  # 256 MB: milliseconds to copy, microseconds to queue
     path = tmp_path / "shared"

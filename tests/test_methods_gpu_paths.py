@@ -31,12 +31,13 @@ import pytest
 import torch
 from torch import nn
 
-from methods import base, layerwise, order, priority, ps_order
-from methods import ps_node as ps
+from methods import base, layerwise, order, priority
 from methods.base import GradBuffer, backward_order, until_completed
 from methods.plan import Partition, PerTensor
 from methods.priority import Priority
 from methods.profile import BackwardProfiler
+from methods.ps import node as ps
+from methods.ps import order as ps_order
 
 STUCK_S = 0.3  # long enough for a wrongly issued partition to show up
 
@@ -838,7 +839,7 @@ def test_the_nodes_communicators_are_made_from_the_main_thread_in_one_order(
 
 def test_the_transport_warms_the_node_up_once_before_its_first_plans_threads(
         monkeypatch) -> None:
-    from methods import ps as transport_module
+    from methods.ps import transport as transport_module
 
     group, log = object(), []
     monkeypatch.setattr(transport_module.dist, "get_world_size",

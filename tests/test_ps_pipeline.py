@@ -1,4 +1,4 @@
-"""Node-local aggregation on the scatter path (methods/ps_scatter.py), with real processes:
+"""Node-local aggregation on the scatter path (methods/ps/scatter.py), with real processes:
 two workers of one node and a gated parameter server of the test's own, over Gloo.
 
 The server answers no pull before it has every partition's push, so the pipeline passes
@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from methods import ps_order
 from methods.layout import Part
-from methods.ps_node import HostStaging, _Exchange
-from methods.ps_order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node
-from methods.ps_scatter import ScatterPipeline, split
-from methods.ps_shared import share
-from methods.ps_wire import CTRL_TAG, HEADER, KEY_TAG, SHM_TAG
+from methods.ps import order as ps_order
+from methods.ps.node import HostStaging, _Exchange
+from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node
+from methods.ps.scatter import ScatterPipeline, split
+from methods.ps.shared import share
+from methods.ps.wire import CTRL_TAG, HEADER, KEY_TAG, SHM_TAG
 from tests.test_methods import _free_port, _spawn
 
 SERVER, ITERATIONS, ANSWER = 2, 2, 100.0
@@ -144,7 +144,7 @@ def test_the_shared_buffer_is_removed_when_a_worker_fails_to_map_it(tmp_path) ->
 
 
 def test_a_worker_refuses_a_shared_buffer_that_is_not_there(tmp_path, monkeypatch) -> None:
-    from methods import ps_shared
+    from methods.ps import shared as ps_shared
 
     monkeypatch.setattr(ps_shared, "_exchange", lambda msg, peer, *, send, timeout_s: None)
     with pytest.raises(RuntimeError, match="shared buffer .* is missing"):

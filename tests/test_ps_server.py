@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from harness import config
-from methods.server import COPY, SUM, Server, _Plan
-from methods.server_queue import EngineQueue, ThreadBinding
+from methods.ps.server import COPY, SUM, Server, _Plan
+from methods.ps.server_queue import EngineQueue, ThreadBinding
 
 R, X = 1, 2  # two keys
 

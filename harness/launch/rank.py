@@ -295,7 +295,7 @@ def _placed_device(cfg: DictConfig, *, rank: int, local_rank: int, worker: bool,
 
 def node_groups(workers: int, per_node: int, *, timeout: dt.timedelta) -> tuple | None:
     """Two process groups per node of `per_node` workers, for PS methods' reduce and
-    broadcast inside the node (methods/ps_node.py), made on every rank (it is collective):
+    broadcast inside the node (methods/ps/node.py), made on every rank (it is collective):
     this worker's pair, or None (servers; one worker per node; one node)."""
     if per_node == 1 or workers <= per_node:
         return None

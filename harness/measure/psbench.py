@@ -1,5 +1,5 @@
 """`harness.microbench` on a cluster with parameter servers (a PS `method=`): a push/pull
-round trip per partition size through the real server (methods/server.py), as the PS
+round trip per partition size through the real server (methods/ps/server.py), as the PS
 methods' roots make it.
 
 Every worker opens one plan on server 0 whose keys are the message sizes (one key each,
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from harness.launch.rank import Context
-from methods.ps import server_ranks, stop_servers
-from methods.ps_wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
-from methods.server import serve
+from methods.ps.server import serve
+from methods.ps.transport import server_ranks, stop_servers
+from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
 
 
 def server(ctx: Context) -> None:

@@ -14,7 +14,7 @@ from harness.predict import engines
 from harness.predict.network import ELEMENT_SIZE, Network, _Summing
 from harness.predict.plans import Plan
 from methods import layout
-from methods.server_queue import ThreadBinding
+from methods.ps.server_queue import ThreadBinding
 
 WIDE = 64  # PS: configurations of up to this many servers go together, and those above
 

@@ -16,7 +16,7 @@ from harness.config.frozen import Config
 from harness.predict import links
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
 from methods.costmodel import Cost, least_squares
-from methods.server_queue import ThreadBinding
+from methods.ps.server_queue import ThreadBinding
 
 ELEMENT_SIZE = 4  # fp32 gradients
 # The study's parameter servers, machines of their own (hosts gpu9 and up), assumed of the
@@ -185,15 +185,15 @@ class ParameterServers:
     rate the intra-node all-reduce fact gives, so each gets half of it. A link is a
     queue: what it carries starts once the link is free, and keeps it busy.
 
-    Each server sums on `engine_threads` lanes (BytePS's engine threads, methods/server.py),
+    Each server sums on `engine_threads` lanes (BytePS's engine threads, methods/ps/server.py),
     a partition on the lane its key is bound to by BytePS's rule (the fewest bytes bound so
-    far, partitions bound in plan order, methods/server_queue.py): per round, one add per
+    far, partitions bound in plan order, methods/ps/server_queue.py): per round, one add per
     push but the first and one copy into the answer, each streaming 3 and 2 bytes of memory
     per byte at the lane's share of the server's memory (`Network.server_memory`; 0: not
     timed). The adds start once a second push is in, the last add and the copy follow the
     last push; the answer leaves once they are done.
 
-    With `node_reduce="root"` (methods/ps_node.py) the whole unit is reduced to the root,
+    With `node_reduce="root"` (methods/ps/node.py) the whole unit is reduced to the root,
     which alone copies it to the host, before its first push, and copies it back and
     broadcasts it after its last pull: no partition of a unit overlaps the bus. While
     `log` is a list (simulate.trace), each link's use appends (link, unit, start, end).
@@ -367,7 +367,7 @@ class _Summing:
     def lanes(self, parts: list[list[tuple[int, int]]], first: int) -> list[list[int]]:
         """Per unit, each partition's lane, `first` + server x threads + its thread (0s
         when summing is not timed): each server binds its partitions in plan order, every
-        partition a key of its own (methods/server_queue.py's rule)."""
+        partition a key of its own (methods/ps/server_queue.py's rule)."""
         if not self.factors[0]:
             return [[0] * len(unit) for unit in parts]
         sizes: dict[int, list[int]] = {}

@@ -13,7 +13,7 @@ them: the root's node thread announces each one's kind (methods/order.py) before
 it, and the others' issue exactly that sequence, each once their own poster or lander
 asks for it. Every collective of a node, on any of its groups, follows this one order:
 the kinds are the root path's REDUCE and BROADCAST and the scatter path's REDUCE_SCATTER
-and ALL_GATHER (methods/ps_scatter.py; its leftover takes REDUCE and BROADCAST). A
+and ALL_GATHER (methods/ps/scatter.py; its leftover takes REDUCE and BROADCAST). A
 poster asks only for REDUCE and REDUCE_SCATTER, a lander only for BROADCAST and
 ALL_GATHER, each in partition order, and the units go in the same order on every worker
 (the transport is `ordered`): so the next ask of an announced kind is the collective the
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from methods.base import side_stream, start_thread, wait_for
 from methods.order import OrderFollower, OrderLeader
-from methods.ps_wire import naming
+from methods.ps.wire import naming
 
 # the node's collectives, as the root announces them
 REDUCE, BROADCAST, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2, 3

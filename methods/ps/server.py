@@ -1,11 +1,11 @@
 """Parameter-server side, as BytePS v0.2.3's server (byteps/server/server.cc): receive
 pushes, sum them on engine threads, answer.
 
-One thread per worker reads that worker's control stream in order (methods/ps_wire.py
+One thread per worker reads that worker's control stream in order (methods/ps/wire.py
 describes the protocol) and receives each announced partition from exactly that worker on
 exactly that key's tag, then handles it as BytePSHandler does: the key is bound to one of
 the plan's `engine_threads` engine threads (the one with the fewest bytes bound so far,
-methods/server_queue.py), the round's first push becomes the running sum in place (no
+methods/ps/server_queue.py), the round's first push becomes the running sum in place (no
 engine work), each later one is queued on the key's thread to be added to it, and after
 the last one (a push from every node: the pushing roots) a copy of the sum into the
 key's answer buffer is queued, which, once run, is sent back to each root. The answer is
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from methods.ps_wire import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, STOP
-from methods.server_queue import EngineQueue, ThreadBinding
+from methods.ps.server_queue import EngineQueue, ThreadBinding
+from methods.ps.wire import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, STOP
 
 POLL_S = 0.2
 SUM, COPY = 0, 1  # engine work: add a push into the running sum (SUM_RECV); copy the sum

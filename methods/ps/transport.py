@@ -13,22 +13,22 @@ Four switches, defaults as in the study:
   all-reduced over the node (BytePS on one machine). Off: every worker pushes its own
   gradients.
 - `node_reduce`, how a node of several workers aggregates: `scatter` (BytePS's
-  default, methods/ps_scatter.py): per partition, a reduce-scatter in the node, each
-  worker's slice into the node's shared host buffer (methods/ps_shared.py), the root's
+  default, methods/ps/scatter.py): per partition, a reduce-scatter in the node, each
+  worker's slice into the node's shared host buffer (methods/ps/shared.py), the root's
   push and pull from and into it, each slice back, an all-gather, pipelined so that a
   partition's reduce-scatter overlaps the previous one on the wire; or `root`
   (BytePS's BYTEPS_REDUCE_ROOTS): the unit reduced to the root, which copies it to
-  the host, pushes, pulls and broadcasts it (methods/ps_node.py).
+  the host, pushes, pulls and broadcasts it (methods/ps/node.py).
 - `assignment`: `hash` (BytePS's djb2 of the key) or `balanced` (by bytes).
 - `server_schedule` (BYTEPS_SERVER_ENABLE_SCHEDULE): each server sums first the
   key with the fewest pushes counted since its last push of a round arrived (BytePS's
-  queue, methods/server_queue.py); workers stay FIFO.
+  queue, methods/ps/server_queue.py); workers stay FIFO.
 - `engine_threads` (BYTEPS_SERVER_ENGINE_THREAD): each server's summing threads, a queue
   each, a key bound to the one with the fewest bytes bound so far (the study ran 8).
 
-The messages and their tags are methods/ps_wire.py; the host staging and the threads
-that post and land each unit are methods/ps_node.py, their steps on the scatter path
-methods/ps_scatter.py, the node's collectives in one order methods/ps_order.py.
+The messages and their tags are methods/ps/wire.py; the host staging and the threads
+that post and land each unit are methods/ps/node.py, their steps on the scatter path
+methods/ps/scatter.py, the node's collectives in one order methods/ps/order.py.
 `start` only records where the unit's gradients are and hands it to those threads.
 """
 
@@ -49,9 +49,9 @@ from methods.layout import (
     plan_summary,
 )
 from methods.plan import Unit
-from methods.ps_node import HostStaging, Node, _Exchange, _Pipeline, node_staging
-from methods.ps_scatter import ScatterPipeline
-from methods.ps_wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
+from methods.ps.node import HostStaging, Node, _Exchange, _Pipeline, node_staging
+from methods.ps.scatter import ScatterPipeline
+from methods.ps.wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
 
 
 def server_ranks(num_workers: int) -> list[int]:

@@ -1,5 +1,5 @@
 """The node's shared host buffer (BytePS's shared memory), for the scatter path of node-local
-aggregation (methods/ps_scatter.py): every worker of a node maps one file, each copies its
+aggregation (methods/ps/scatter.py): every worker of a node maps one file, each copies its
 slice of a partition into it, the root pushes it from there and pulls the sum back into it.
 
 The root creates the file in /dev/shm (`SHM_DIR`; the system's temporary folder where there
@@ -11,7 +11,7 @@ tensors are freed, and no file outlives `share`, whatever happens after it (the 
 close, a crash). A worker maps only a file that exists, so it never makes one itself.
 
 On GPUs the copies between the device and this buffer run on the host staging's copy
-streams (methods/ps_node.py `HostStaging`), and each worker registers its mapping with CUDA
+streams (methods/ps/node.py `HostStaging`), and each worker registers its mapping with CUDA
 (`pin`: cudaHostRegister, as BytePS pins its shared memory in shared_memory.cc) while the
 plan is open: the copies are then asynchronous to the host and run at page-locked speed,
 so a partition's reduce-scatter overlaps the copy of the one before. `unpin` ends it.
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from methods.ps_order import Node
-from methods.ps_wire import SHM_TAG, naming
+from methods.ps.order import Node
+from methods.ps.wire import SHM_TAG, naming
 
 SHM_DIR = "/dev/shm"
 

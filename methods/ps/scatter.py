@@ -7,7 +7,7 @@ leftover numel % n at the end the root's), on every worker:
 1. the poster has the node reduce-scatter the partition in place (each worker gets the sum
    of its own slice) and reduce the leftover to the root;
 2. it copies its slice (the root also the leftover) into the node's shared host buffer
-   (methods/ps_shared.py; on a GPU on the way-out copy stream, `HostStaging`) and tells
+   (methods/ps/shared.py; on a GPU on the way-out copy stream, `HostStaging`) and tells
    the root so (a message on tag KEY_TAG + key);
 3. the root's poster, once every slice is there, pushes the partition from the shared
    buffer to its server and posts the pull into it (servers see one push per node), then
@@ -18,9 +18,9 @@ leftover numel % n at the end the root's), on every worker:
 5. the lander has the node all-gather the slices in place and the root broadcast the
    leftover.
 
-Every collective goes through the node's one order (methods/ps_order.py): the poster asks
+Every collective goes through the node's one order (methods/ps/order.py): the poster asks
 for REDUCE_SCATTER and REDUCE, the lander for ALL_GATHER and BROADCAST. The threads, the
-unit's handle and its errors are the root path's (methods/ps_node.py `_Pipeline`,
+unit's handle and its errors are the root path's (methods/ps/node.py `_Pipeline`,
 `_Exchange`); only the steps differ. BytePS runs each stage on a thread of its own (one
 queue per stage); here the poster runs 1-3 and the lander 4-5, which overlaps the wire
 with the next partitions' reduce-scatters, the point of the pipeline.
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from methods.layout import Part
-from methods.ps_node import HostStaging, _Exchange, _finish, _Pipeline, _Stage
-from methods.ps_order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node, NodeOrder
-from methods.ps_wire import CTRL_TAG, KEY_TAG, PUSH, header, naming, naming_server, server_name
+from methods.ps.node import HostStaging, _Exchange, _finish, _Pipeline, _Stage
+from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node, NodeOrder
+from methods.ps.wire import CTRL_TAG, KEY_TAG, PUSH, header, naming, naming_server, server_name
 
 
 class _Piece:

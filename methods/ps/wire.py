@@ -1,5 +1,5 @@
-"""The parameter-server wire protocol, shared by workers (methods/ps.py, methods/ps_node.py)
-and servers (methods/server.py): tags, message kinds, the control header, dtypes, and how
+"""The parameter-server wire protocol, shared by workers (methods/ps/transport.py, node.py)
+and servers (methods/ps/server.py): tags, message kinds, the control header, dtypes, and how
 a failed exchange names its peer.
 
 Messages are matched by (peer, tag), never by arrival order:
@@ -10,11 +10,11 @@ Messages are matched by (peer, tag), never by arrival order:
   (the worker is done). Every worker sends OPEN, CLOSE and STOP; only roots push.
 - data, tag KEY_TAG + key: the root's partition; the server answers on the same tag
   with the sum over the nodes.
-- inside a node (scatter path, methods/ps_scatter.py), tag KEY_TAG + key between a worker
+- inside a node (scatter path, methods/ps/scatter.py), tag KEY_TAG + key between a worker
   and its root: "my slice of the partition is in the shared buffer" (worker -> root) and
   "the pulled sum is there" (root -> worker), one int64 each; tag SHM_TAG: the name of the
   node's shared buffer (root -> worker) and "mapped" (worker -> root),
-  methods/ps_shared.py.
+  methods/ps/shared.py.
 
 A header is HEADER int64 words: [op, count, dtype, values...], `dtype` an index into
 DTYPES. OPEN's values are [keys, node size, server_schedule, engine_threads]; PUSH's are

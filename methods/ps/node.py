@@ -2,12 +2,12 @@
 
 A node's first worker (the root) pushes and pulls for all (`Node`). On the root path
 (`node_reduce: root`) the unit is reduced to the root before and broadcast inside the node
-after; the scatter path (the default, methods/ps_scatter.py) runs BytePS's stages per
+after; the scatter path (the default, methods/ps/scatter.py) runs BytePS's stages per
 partition on these same threads with steps of its own. A node of one worker does neither.
 
-Every collective of a node goes in one order on all its workers (methods/ps_order.py).
+Every collective of a node goes in one order on all its workers (methods/ps/order.py).
 
-Servers are CPU processes (methods/server.py). Workers on GPUs stage their
+Servers are CPU processes (methods/ps/server.py). Workers on GPUs stage their
 gradients through page-locked host memory (`HostStaging`, made by `node_staging`), copied
 on streams of their own: on the root path the root's pinned mirror of the flat buffer
 (only the root pushes and pulls, so only it has one), on the scatter path the node's shared
@@ -17,7 +17,7 @@ mirror and nothing is copied. Host threads wait for a copy by polling its event
 
 `_Pipeline` is one plan's threads: for each unit (`_Exchange`) put to it, a poster
 has it reduced inside the node, copies it to the host and posts its messages
-(protocol: methods/ps_wire.py); a lander waits for its pulls in order, copies each
+(protocol: methods/ps/wire.py); a lander waits for its pulls in order, copies each
 partition back and has it broadcast inside the node. Every thread starts with the
 first unit, on its device (methods/base.py `start_thread`). Neither the gradient hooks
 nor the compute stream wait for any of it; CPU and GPU workers take the same path.
@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from methods.base import happened, poll_until, record, side_stream, start_thread, wait_for
 from methods.layout import Part
-from methods.ps_order import BROADCAST, REDUCE, Node, NodeOrder
-from methods.ps_shared import pin, share, unpin
-from methods.ps_wire import (
+from methods.ps.order import BROADCAST, REDUCE, Node, NodeOrder
+from methods.ps.shared import pin, share, unpin
+from methods.ps.wire import (
     CTRL_TAG,
     HEADER,
     KEY_TAG,
@@ -294,7 +294,7 @@ class _Pipeline:
 
     def __init__(self, servers: list[int], node: Node, *, post: Callable | None = None,
                  land: Callable | None = None) -> None:
-        """`post` and `land` replace the root path's steps (methods/ps_scatter.py)."""
+        """`post` and `land` replace the root path's steps (methods/ps/scatter.py)."""
         self.order = NodeOrder(node) if node.size > 1 else None
         self.lander = _Stage(functools.partial(land or _land, node=node, order=self.order),
                              name="ps-lander")
