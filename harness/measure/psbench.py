@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from harness.launch.rank import Context
+from methods.ps import wire
 from methods.ps.server import serve
 from methods.ps.transport import server_ranks, stop_servers
 from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
@@ -38,8 +39,8 @@ def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int
     numels = [max(1, n // 4) for n in sizes]
     layout = torch.tensor([v for key, numel in enumerate(numels) for v in (key, numel)],
                           dtype=torch.int64)
-    dist.send(header(OPEN, [len(numels), per_node, 0, 1]), dst=target, tag=CTRL_TAG)
-    dist.send(layout, dst=target, tag=LAYOUT_TAG)
+    wire.send(header(OPEN, [len(numels), per_node, 0, 1]), target, tag=CTRL_TAG)
+    wire.send(layout, target, tag=LAYOUT_TAG)
     root = ctx.rank % per_node == 0
     rows = []
     for key, (nbytes, numel) in enumerate(zip(sizes, numels)):
@@ -50,12 +51,12 @@ def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int
             dist.barrier(group=ctx.worker_group)
             start = time.perf_counter()
             if root:
-                dist.send(header(PUSH, [key]), dst=target, tag=CTRL_TAG)
-                dist.send(data, dst=target, tag=KEY_TAG + key)
-                dist.recv(answer, src=target, tag=KEY_TAG + key)
+                wire.send(header(PUSH, [key]), target, tag=CTRL_TAG)
+                wire.send(data, target, tag=KEY_TAG + key)
+                wire.recv(answer, target, tag=KEY_TAG + key)
             if i:
                 samples.append(time.perf_counter() - start)
         rows.append(("ps", f"roots-{target}", nbytes, statistics.median(samples)))
-    dist.send(header(CLOSE), dst=target, tag=CTRL_TAG)
+    wire.send(header(CLOSE), target, tag=CTRL_TAG)
     stop_servers(num_workers=ctx.num_workers)
     return rows

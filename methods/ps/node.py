@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from methods.base import happened, poll_until, record, side_stream, start_thread, wait_for
 from methods.layout import Part
+from methods.ps import wire
 from methods.ps.order import BROADCAST, REDUCE, Node, NodeOrder
 from methods.ps.shared import pin, share, unpin
 from methods.ps.wire import (
@@ -217,12 +218,12 @@ def _post(job: _Exchange, *, node: Node, order: NodeOrder | None, servers: list[
             job.headers.append(msg)
             job.at = server_name(server, batch[0].key)
             with naming_server(server):
-                job.works.append((dist.isend(msg, dst=server, tag=CTRL_TAG), batch[0], False))
+                job.works.append((wire.isend(msg, server, tag=CTRL_TAG), batch[0], False))
                 for p in batch:
                     data = host[p.start : p.end]
-                    job.works.append((dist.isend(data, dst=server, tag=KEY_TAG + p.key), p,
+                    job.works.append((wire.isend(data, server, tag=KEY_TAG + p.key), p,
                                       False))
-                    job.works.append((dist.irecv(data, src=server, tag=KEY_TAG + p.key), p,
+                    job.works.append((wire.irecv(data, server, tag=KEY_TAG + p.key), p,
                                       True))
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from methods.layout import Part
+from methods.ps import wire
 from methods.ps.node import HostStaging, _Exchange, _finish, _Pipeline, _Stage
 from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node, NodeOrder
 from methods.ps.wire import CTRL_TAG, KEY_TAG, PUSH, header, naming, naming_server, server_name
@@ -66,9 +67,9 @@ def _signal(node: Node, part: Part, peer: int, *, send: bool) -> None:
     msg = torch.ones(1, dtype=torch.int64) if send else torch.zeros(1, dtype=torch.int64)
     with naming(f"worker rank {peer} of {node.name}"):
         if send:
-            dist.isend(msg, dst=peer, tag=KEY_TAG + part.key).wait()
+            wire.isend(msg, peer, tag=KEY_TAG + part.key).wait()
         else:
-            dist.irecv(msg, src=peer, tag=KEY_TAG + part.key).wait()
+            wire.irecv(msg, peer, tag=KEY_TAG + part.key).wait()
 
 
 def scatter_and_post(job: _Exchange, *, node: Node, order: NodeOrder, servers: list[int],
@@ -112,9 +113,9 @@ def _post(piece: _Piece) -> None:
     msg = header(PUSH, [part.key])
     piece.job.at = server_name(part.server, part.key)
     with naming_server(part.server, part.key):
-        piece.works += [(dist.isend(msg, dst=part.server, tag=CTRL_TAG), msg),
-                        (dist.isend(data, dst=part.server, tag=KEY_TAG + part.key), None),
-                        (dist.irecv(data, src=part.server, tag=KEY_TAG + part.key), None)]
+        piece.works += [(wire.isend(msg, part.server, tag=CTRL_TAG), msg),
+                        (wire.isend(data, part.server, tag=KEY_TAG + part.key), None),
+                        (wire.irecv(data, part.server, tag=KEY_TAG + part.key), None)]
 
 
 def land_and_gather(piece: _Piece, *, node: Node, order: NodeOrder) -> None:

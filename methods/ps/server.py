@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from methods.ps import wire
 from methods.ps.server_queue import EngineQueue, ThreadBinding
 from methods.ps.wire import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, STOP
 
@@ -115,12 +116,12 @@ class Server:
         msg = torch.empty(HEADER, dtype=torch.int64)
         number, plan = -1, None
         while True:
-            dist.recv(msg, src=worker, tag=CTRL_TAG)
+            wire.recv(msg, worker, tag=CTRL_TAG)
             op, count, dtype = msg[:3].tolist()
             if op == OPEN:
                 keys, node_size, schedule, threads = msg[3:7].tolist()
                 layout = torch.empty(2 * keys, dtype=torch.int64)  # [key, numel] pairs
-                dist.recv(layout, src=worker, tag=LAYOUT_TAG)
+                wire.recv(layout, worker, tag=LAYOUT_TAG)
                 number += 1
                 plan = self._open(number, layout, DTYPES[dtype], worker, node_size,
                                   bool(schedule), threads)
@@ -128,7 +129,7 @@ class Server:
                 node = worker // plan.node_size
                 for key in msg[3 : 3 + count].tolist():
                     slot = plan.slots[key]
-                    dist.recv(slot.inputs[node], src=worker, tag=KEY_TAG + key)
+                    wire.recv(slot.inputs[node], worker, tag=KEY_TAG + key)
                     self.pushes[worker] += 1
                     self.arrived(plan, slot, node)
             elif op == CLOSE:
@@ -207,7 +208,7 @@ class Server:
         for work in slot.sends:  # the previous round's answers have left
             work.wait()
         slot.total.copy_(slot.inputs[slot.merged])
-        slot.sends = [dist.isend(slot.total, dst=root, tag=KEY_TAG + slot.key)
+        slot.sends = [wire.isend(slot.total, root, tag=KEY_TAG + slot.key)
                       for root in plan.roots]
         if slot.key == plan.first_key and self.on_round is not None:
             self.on_round(self.rounds)

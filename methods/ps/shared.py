@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from methods.ps import wire
 from methods.ps.order import Node
 from methods.ps.wire import SHM_TAG, naming
 
@@ -84,8 +84,8 @@ def _map(numel: int, dtype: torch.dtype, *, node: Node, timeout_s: float,
 def _exchange(msg: torch.Tensor, peer: int, *, send: bool, timeout_s: float) -> None:
     """Send `msg` to, or receive it from, worker rank `peer` (tag SHM_TAG), within `timeout_s`."""
     with naming(f"worker rank {peer} (the node's shared buffer)"):
-        work = dist.isend(msg, dst=peer, tag=SHM_TAG) if send else \
-            dist.irecv(msg, src=peer, tag=SHM_TAG)
+        work = wire.isend(msg, peer, tag=SHM_TAG) if send else \
+            wire.irecv(msg, peer, tag=SHM_TAG)
         work.wait(dt.timedelta(seconds=timeout_s))
 
 

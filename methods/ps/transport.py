@@ -49,6 +49,7 @@ from methods.layout import (
     plan_summary,
 )
 from methods.plan import Unit
+from methods.ps import wire
 from methods.ps.node import HostStaging, Node, _Exchange, _Pipeline, node_staging
 from methods.ps.scatter import ScatterPipeline
 from methods.ps.wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
@@ -69,7 +70,7 @@ def _tell_servers(msg: torch.Tensor, servers: list[int], *, tag: int = CTRL_TAG)
     sends = []
     for server in servers:
         with naming_server(server):
-            sends.append((dist.isend(msg, dst=server, tag=tag), server))
+            sends.append((wire.isend(msg, server, tag=tag), server))
     for work, server in sends:
         with naming_server(server):
             work.wait()

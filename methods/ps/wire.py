@@ -20,6 +20,11 @@ A header is HEADER int64 words: [op, count, dtype, values...], `dtype` an index 
 DTYPES. OPEN's values are [keys, node size, server_schedule, engine_threads]; PUSH's are
 the keys
 whose data follow (at most HEADER - 3 per header).
+
+Every message of the family goes through `isend`/`irecv`/`send`/`recv` here, never through
+torch.distributed directly, so the wire under them is one choice per process (`use`):
+Gloo's point-to-point (the default) or another with the same calls and handles (a handle
+has `wait(timeout=None)` and `is_completed()`, as a `dist.Work`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 CTRL_TAG, LAYOUT_TAG, SHM_TAG, KEY_TAG = 1, 2, 3, 16
 OPEN, PUSH, CLOSE, STOP = 1, 2, 3, 4
@@ -58,3 +64,46 @@ def naming(peer: str) -> Iterator[None]:
 
 def naming_server(server: int, key: int | None = None):
     return naming(server_name(server, key))
+
+
+class Gloo:
+    """torch.distributed's point-to-point calls on the default group (Gloo between hosts)."""
+
+    name = "gloo"
+
+    @staticmethod
+    def isend(tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.isend(tensor, dst=peer, tag=tag)
+
+    @staticmethod
+    def irecv(tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.irecv(tensor, src=peer, tag=tag)
+
+
+_wire = Gloo()
+
+
+def use(wire) -> None:
+    """Send every message of this process's PS family over `wire` (from now on)."""
+    global _wire
+    _wire = wire
+
+
+def current():
+    return _wire
+
+
+def isend(tensor: torch.Tensor, peer: int, *, tag: int):
+    return _wire.isend(tensor, peer, tag)
+
+
+def irecv(tensor: torch.Tensor, peer: int, *, tag: int):
+    return _wire.irecv(tensor, peer, tag)
+
+
+def send(tensor: torch.Tensor, peer: int, *, tag: int) -> None:
+    _wire.isend(tensor, peer, tag).wait()
+
+
+def recv(tensor: torch.Tensor, peer: int, *, tag: int) -> None:
+    _wire.irecv(tensor, peer, tag).wait()
