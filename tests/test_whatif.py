@@ -40,8 +40,9 @@ def test_a_2x4_ib_simulation_on_the_default_cluster_profiles_one_process() -> No
 
 
 def test_the_issues_simulation_runs_one_profile_and_says_its_cpu_is_no_gpu(tmp_path) -> None:
+    # ib_edr names no GPU of its own: simulate.compute=auto profiles this machine
     out = run_module("harness.simulate", "model=bert_tiny", "method=wfbp_ps",
-                     "network=ib100_rdma", *CLUSTER, "simulate.profile_iters=1",
+                     "network=ib_edr", *CLUSTER, "simulate.profile_iters=1",
                      f"results_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     assert "profiling bert_tiny on this machine (1 process(es)" in out.stdout
@@ -53,11 +54,26 @@ def test_the_issues_simulation_runs_one_profile_and_says_its_cpu_is_no_gpu(tmp_p
 
 
 def test_plans_profile_of_16_workers_is_one_process(tmp_path) -> None:
-    out = run_module("harness.plan", "model=bert_tiny", "method=mgwfbp", "network=ib100_rdma",
+    out = run_module("harness.plan", "model=bert_tiny", "method=mgwfbp", "network=ib_edr",
                      "cluster.nodes=4", "cluster.workers_per_node=4", "simulate.profile_iters=1")
     assert out.returncode == 0, out.stderr
     assert "profiling bert_tiny on this machine (1 process(es)" in out.stdout
     assert "16 workers" in out.stdout and "groups merged on" in out.stdout
+
+
+def test_a_study_network_predicts_its_own_gpu_without_profiling() -> None:
+    """simulate.compute=auto on the study's networks counts the study's GPU (the issue's
+    16-worker ResNet-50 plan in seconds: nothing is profiled); set, it is the user's."""
+    out = run_module("harness.plan", "model=resnet50", "method=mgwfbp", "network=ib100_rdma",
+                     "cluster.nodes=4", "cluster.workers_per_node=4")
+    assert out.returncode == 0, out.stderr
+    assert "profiling" not in out.stdout and "note:" not in out.stderr
+    assert "compute: resnet50 on rtx2080ti" in out.stdout
+    assert "the GPU network=ib100_rdma was measured between" in out.stdout
+    assert "16 workers" in out.stdout and "groups merged on" in out.stdout
+    chosen = config.load(["network=ib100_rdma", "simulate.compute=h100_sxm"], simulate=True)
+    assert chosen.simulate.compute == "h100_sxm"
+    assert config.load(["network=ib_ndr"], simulate=True).simulate.compute == "measured"
 
 
 def test_the_gpu_table_has_the_issues_gpus_with_their_facts() -> None:

@@ -44,7 +44,7 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
               dict: "a mapping", list: "a list"}
 # Keys of network profiles: the emulated link's rate, and the facts of a real network.
 NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node": dict,
-                "allreduce": str, "ps_host_copy": bool}
+                "allreduce": str, "ps_host_copy": bool, "gpu": str}
 ALLREDUCE = ("ring", "tree", "hierarchical", "best")
 METHOD_DIR = CONF_DIR / "method"
 
@@ -261,6 +261,12 @@ def check_network(network: Config) -> None:
     if net.get("allreduce", "ring") not in ALLREDUCE:
         raise ConfigError(f"network.allreduce={net['allreduce']!r} is invalid; choose one of: "
                           f"{', '.join(ALLREDUCE)}")
+    if "gpu" in net:
+        from harness.config import gpus
+
+        if net["gpu"] not in gpus.table():
+            raise ConfigError(f"network.gpu={net['gpu']!r} is not a GPU of conf/gpu/; choose "
+                              f"one of: {', '.join(gpus.table())}")
 
 
 def keys(cfg: DictConfig) -> list[str]:

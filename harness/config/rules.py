@@ -158,10 +158,13 @@ def _check_servers(method: Config, cluster: Config) -> None:
 
 
 def as_simulated(cfg: Frozen) -> Frozen:
-    """`cfg` as the simulator reads it: MG-WFBP planning with `simulate.mgwfbp_cost` when
-    that is set (experiment=paper: the study's table, as its merges were)."""
+    """`cfg` as the simulator reads it: `simulate.compute=auto` resolved (the GPU its network
+    profile was measured on, else `measured`), MG-WFBP planning with `simulate.mgwfbp_cost`
+    when that is set (experiment=paper: the study's table, as its merges were)."""
     from methods.costmodel import COSTS
 
+    if cfg.simulate.compute == "auto":
+        cfg = assign(cfg, "simulate.compute", cfg.network.get("gpu") or "measured")
     cost = cfg.simulate.mgwfbp_cost
     if cost is None:
         return cfg
@@ -219,8 +222,8 @@ def _check_simulate(cfg: Config) -> None:
         return
     table = gpus.table()
     if sim.compute not in table:
-        raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose measured or a "
-                          f"GPU of conf/gpu/: {', '.join(table)}")
+        raise ConfigError(f"simulate.compute={sim.compute!r} is unknown; choose auto, measured "
+                          f"or a GPU of conf/gpu/: {', '.join(table)}")
     table[sim.compute].flop_s(sim.precision)  # it has the unit asked for
     throughput = sim.gpus.get(sim.compute, {}).get(cfg.model.name)
     if throughput is not None and (isinstance(throughput, bool) or not isinstance(

@@ -172,7 +172,9 @@ class MicrobenchConf:
 
 @dataclass
 class SimulateConf:
-    compute: str = "measured"   # measured (profile this machine) | a GPU of conf/gpu/
+    # auto: the GPU the network profile was measured on (its `gpu`: the study's networks),
+    # else measured | measured (profile this machine) | a GPU of conf/gpu/
+    compute: str = "auto"
     precision: str = "fp32"     # the GPU's peak FLOP/s used: fp32 | tf32 | bf16
     efficiency: float = 0.8     # share of its peaks a GPU reaches where no 1-GPU row says
     gpus: dict[str, Any] = field(default_factory=dict)  # GPU -> {model: 1-GPU samples/s}

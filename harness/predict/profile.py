@@ -186,6 +186,8 @@ class ComputeProfiles:
         if eff > 1:  # faster than the spec sheet allows: measured at another precision?
             how += (f"; above its {sim.precision} peaks: was it measured at another precision"
                     " (run.tf32_matmul, simulate.precision)?")
+        if cfg.network.get("gpu") == gpu.name:
+            how += f"; the GPU network={cfg.network.name} was measured between"
         print(f"compute: {model.name} on {gpu.name} ({sim.precision}: "
               f"{gpu.flop_s(sim.precision) / 1e12:g} TFLOP/s, {gpu.memory_gb_per_s:g} GB/s, "
               f"conf/gpu/{gpu.name}.yaml) at {eff:.0%} of its peaks, {how}", flush=True)
