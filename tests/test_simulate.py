@@ -393,6 +393,7 @@ def test_the_cache_keeps_a_result_and_a_cache_it_cannot_write_is_no_error(tmp_pa
 # -- the study's engines (harness/predict/engines.py) -------------------------------------
 
 POLL = 0.001  # conf/bench.yaml simulate.engines.handle_poll_s
+GIL = 0.005   # conf/bench.yaml simulate.engines.gil_switch_s: CPython's switch interval
 
 
 def test_the_study_engines_step_wakes_half_a_poll_after_its_last_handle() -> None:
@@ -448,15 +449,45 @@ def test_bytescheduler_updates_wait_for_the_poller_and_share_the_compute_stream(
     c = compute([1_000_000], [0.05])
     shape = ("cluster.nodes=2", "engine=horovod", "method.scheduler.cycle_s=0",
              "method.horovod.cycle_time_s=0", "model.optimizer.name=sgd")
+    # (the piece goes a switch interval after it is ready: the core's scheduler thread,
+    # woken by the poller, waits that long for the GIL)
     a = 2 * ALPHA + BETA * 4_000_000
     h = 2 * 1e-5 + 1 * 1.4e-6  # update_ops[sgd] x op_launch_s + scan_s
     for clock in ("false", "device"):
         pred = model.predict(cfg("bytescheduler_a2a", *shape, f"run.sync_each_step={clock}"),
                              c, net())
-        assert pred.iteration_s == pytest.approx(c.total_s + a + h), clock
+        assert pred.iteration_s == pytest.approx(c.total_s + GIL + a + h), clock
     # our native engine's ByteScheduler has no hand-written updates: no h
     native = model.predict(cfg("bytescheduler_a2a", *shape[:1], *shape[2:]), c, net())
     assert native.iteration_s == pytest.approx(c.total_s + a)
+
+
+def test_a_thread_woken_while_the_poller_spins_waits_a_switch_interval_for_the_gil() -> None:
+    # the core's scheduler thread, notified by the poller that a piece is ready, submits it
+    # once it has the GIL: a switch interval later; here a 1 s cycle and a 0.5 s wait: a
+    # piece ready at 0.6 s misses the tick at 1 s and starts at 2 s; without the GIL at 1 s
+    units = PerTensor().plan([16])
+    for wake, tick in ((0.0, 1.0), (0.5, 2.0)):
+        line = _Line()
+        assert priority.issue(units, [0.6], line, 100, cycle_s=1.0, wake_s=wake) == [tick + 1]
+        assert line.calls == [(0, 64, tick)]
+    # the training thread, blocked on the input-side layer's lock (its piece jumped the
+    # queue), wakes when the poller launches that update but gets the GIL a switch
+    # interval later, as the poller still has the output side's update to come; the
+    # output side's lock, released by the poller's last update, costs nothing more (the
+    # poller then blocks on its empty queue)
+    c = Compute([12_000_000, 10_000], [0.05, 0.05], [0, 1], [((1,), 0.5), ((0,), 0.1)],
+                0.0, "test")
+    log: list = []
+    model.predict(cfg("bytescheduler_a2a", "cluster.nodes=2", "engine=horovod",
+                      "method.scheduler.credit_elements=4000000"), c, net(), log=log)
+    first = max(i for i, e in enumerate(log) if e[1] == "wait: update") - 1  # last forward's
+    (_, one, _, woken, _), (_, other, _, last, _) = log[first:first + 2]
+    updates = {e[1]: e[3] for e in log[:first] if e[0] == "updates"}  # the latest launches
+    assert one == other == "wait: update"
+    assert updates["update tensor 1"] < updates["update tensor 0"]  # input side first
+    assert woken == pytest.approx(updates["update tensor 1"] + GIL)
+    assert last == pytest.approx(updates["update tensor 0"])
 
 
 def test_a_slowdown_stretches_communication_only_while_the_gpu_computes() -> None:

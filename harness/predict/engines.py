@@ -20,6 +20,12 @@ conf/bench.yaml's `simulate.engines`; the network's start-ups time Horovod's neg
   its pieces are reduced: `update_ops` CUDA ops from Python and a Python loop over the
   parameters up to the one it updates (`scan_s` each), one parameter after another; the
   next forward's layer waits until its parameters' updates are launched.
+- The GIL: the poller never blocks while a handle is pending (it polls, re-queues and
+  polls again), so it holds Python's GIL, and a thread woken meanwhile waits CPython's
+  switch interval (`gil_switch_s`, sys.getswitchinterval()) before it asks the holder to
+  drop it (take_gil in Python/ceval_gil.h): the core's scheduler thread notified of a
+  ready piece or of returned credit (bytecore._loop waits on a condition), the training
+  thread woken from a forward lock or from torch.cuda.synchronize() (priority.py).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Engine:
     copy_s: list[float]          # per tensor (backward order): its copy into a merged buffer
     negotiation_s: float         # per cycle of pieces submitted once ready (ByteScheduler)
     update_host_s: list[float]   # per tensor: the poller's hand-written update (ByteScheduler)
+    gil_s: float = 0.0           # a woken Python thread's wait for the GIL while the poller spins
 
 
 NONE = Engine(0.0, [], [], 0.0, [])
@@ -74,7 +81,8 @@ def engine_of(cfg: Config, units: list[Unit], sizes: list[int], *, byte_s: float
     poll = 0.0 if priority else float(facts.get("handle_poll_s", 0.0))
     if not priority:
         return Engine(poll, divide, copy, 0.0, [])
-    return Engine(0.0, divide, copy, negotiation_s(cfg, net), _updates(cfg, sizes, facts))
+    return Engine(0.0, divide, copy, negotiation_s(cfg, net), _updates(cfg, sizes, facts),
+                  float(facts.get("gil_switch_s", 0.0)))
 
 
 def negotiation_s(cfg: Config, net: Network) -> float:

@@ -24,11 +24,14 @@ def keys(units: list[Unit]) -> tuple[list[int], list[tuple[int, int, int]]]:
 def issue(units: list[Unit], ready: list[float], comm, credit: int, *,
           cycle_s: float = 0.0, fusion: int = 0,
           order: tuple[list[int], list[tuple[int, int, int]]] | None = None,
-          started: list[float] | None = None, negotiation_s: float = 0.0) -> list[float]:
+          started: list[float] | None = None, negotiation_s: float = 0.0,
+          wake_s: float = 0.0) -> list[float]:
     """ByteScheduler: the highest-priority ready units (input side first) go while any
     of `credit` elements is left, each alone; with `cycle_s`, those of one cycle start
     at its end plus one negotiation round (`negotiation_s`), consecutive ones fused up to
-    `fusion` elements (Priority._issue). Returns each unit's finish (`order`:
+    `fusion` elements (Priority._issue); `wake_s`: the scheduler thread, woken by an
+    arrival or a completion, submits that much later (it waits for the GIL), then the
+    cycle's tick. Returns each unit's finish (`order`:
     `keys(units)`, when the caller has them), and writes each unit's start into `started`
     when given. An event loop over arrivals, completions and cycle ticks, written for
     speed: the simulator spends most of its time here."""
@@ -53,16 +56,16 @@ def issue(units: list[Unit], ready: list[float], comm, credit: int, *,
             while queue and used < credit:
                 u = pop(queue)[2]
                 used += numel[u]
-                done[u] = finish = send(u, numel[u] * ELEMENT_SIZE, now)
+                done[u] = finish = send(u, numel[u] * ELEMENT_SIZE, now + wake_s)
                 if started is not None:
-                    started[u] = now
+                    started[u] = now + wake_s
                 push(flight, (finish, numel[u]))
                 soonest = min(soonest, finish)
             if soonest <= now:  # one is back already (it moved nothing): its credit is free
                 continue
         while queue and used < credit:  # a cycle: the pieces wait for its tick, together
-            if not batch:
-                tick = math.ceil(now / cycle_s - 1e-9) * cycle_s
+            if not batch:  # the scheduler thread, woken now, submits once it has the GIL
+                tick = math.ceil((now + wake_s) / cycle_s - 1e-9) * cycle_s
             batch.append(pop(queue)[2])
             used += numel[batch[-1]]
         if batch and now >= tick:
@@ -131,7 +134,8 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
     launch order with the forward. The step ends (`ending`, run.sync_each_step) at
     once (`false`), once the GPU has done what was launched by then, backward and pieces
     started included (`device`: torch.cuda.synchronize()), or with every piece and
-    update done (`drain`)."""
+    update done (`drain`). While the poller has updates to launch it holds the GIL: the
+    training thread woken from a lock or a synchronize gets it `engine.gil_s` later."""
     ready_after = list(itertools.accumulate(
         b + c for b, c in itertools.zip_longest(compute.backward_s, engine.copy_s,
                                                 fillvalue=0.0)))
@@ -152,9 +156,10 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
         for needs, seconds in compute.forward:
             for layer in needs:
                 if lock[layer] > cpu:
+                    woken = lock[layer] + (engine.gil_s if lock[layer] < poller else 0.0)
                     if log is not None:
-                        log.append(("compute", "wait: update", cpu, lock[layer], {}))
-                    cpu = lock[layer]
+                        log.append(("compute", "wait: update", cpu, woken, {}))
+                    cpu = woken
             stream.run(cpu, seconds)
         start = stream.run(cpu, 0.0)
         ready = [start + r for r in ready_after]
@@ -166,12 +171,14 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
         comm.busy_until = end + compute.forward_s  # and, at best, the next forward
         done = issue(units, [ready[p] for p in last], comm, credit, cycle_s=cycle_s,
                      fusion=fusion, order=order, started=started,
-                     negotiation_s=engine.negotiation_s)
+                     negotiation_s=engine.negotiation_s, wake_s=engine.gil_s)
         for u, finish in enumerate(done):  # Horovod's callback divides on the compute stream
             stream.launch_later(finish, engine.divide_s[u] if engine.divide_s else 0.0)
         poller = _poll(tensor_units, done, gpu_update, host, compute.layer_of, stream, lock,
                        poller, log)
         t = _step_end(ending, cpu, end, stream, lock, last_flight)
+        if ending == "device" and t < poller:  # back from synchronize: the GIL is the poller's
+            t += engine.gil_s
         last_flight = list(zip(started, done))
         ends.append(t)
         if log is not None:
