@@ -292,9 +292,9 @@ class GradBuffer:
             self.refuse(i)
 
     def check_all(self) -> None:
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                self.refuse(self.params.index(p))
+        """`check` of every parameter."""
+        for i in range(len(self.params)):
+            self.check(i)
 
     def refuse(self, i: int) -> None:
         """The RuntimeError for a gradient that did not land in the buffer once."""
