@@ -6,6 +6,7 @@ named as a closed connection, the transports UCX picked, and `close`."""
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import json
 import os
 import socket
@@ -17,6 +18,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
+from harness import config
+from harness.config import ConfigError
 from harness.launch import failure
 from methods.ps import ucx, wire
 
@@ -133,3 +136,14 @@ def test_tags_must_fit() -> None:
     assert ucx.ucx_tag(3, 17) == (3 << 32) | 17
     with pytest.raises(ValueError, match="does not fit"):
         ucx.ucx_tag(0, 1 << 32)
+
+
+def test_ucx_without_ucxx_is_refused_naming_the_extra(monkeypatch) -> None:
+    """cluster.ps_wire=ucx where ucxx is not installed: one line naming the fix, before
+    any rank starts (this environment has it: its absence is made for this check alone)."""
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ucxx" else found(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[ucx\]'"):
+        config.load(["method=bsp_ps", "cluster.ps_wire=ucx"])  # load validates
+    assert config.load(["method=bsp_ps"]).cluster.ps_wire == "gloo"  # gloo needs nothing
