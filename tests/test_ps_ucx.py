@@ -13,6 +13,7 @@ import socket
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -22,6 +23,7 @@ from harness import config
 from harness.config import ConfigError
 from harness.launch import failure
 from methods.ps import ucx, wire
+from tests.conftest import run_module
 
 TIMEOUT_S = 60
 
@@ -147,3 +149,18 @@ def test_ucx_without_ucxx_is_refused_naming_the_extra(monkeypatch) -> None:
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[ucx\]'"):
         config.load(["method=bsp_ps", "cluster.ps_wire=ucx"])  # load validates
     assert config.load(["method=bsp_ps"]).cluster.ps_wire == "gloo"  # gloo needs nothing
+
+
+def test_microbench_times_the_ucx_wire(tmp_path: Path) -> None:
+    """harness.microbench's `wire` kind goes over cluster.ps_wire, its rows name the wire and
+    the transports UCX picked, and its fit costs something per message and per byte."""
+    out = run_module("harness.microbench", "cluster.workers_per_node=2", "cluster.ps_wire=ucx",
+                     "microbench.min_bytes=4096", "microbench.max_bytes=1048576",
+                     "microbench.repeats=3", f"results_dir={tmp_path}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    frame = pd.read_parquet(next((tmp_path / "microbench").glob("*.parquet")))
+    wire_rows = frame[frame.kind == "wire"]
+    assert len(wire_rows) == 5 and set(wire_rows.ranks) == {"0-1"}
+    assert set(frame.ps_wire) == {"ucx"} and frame.ps_wire_transports.iloc[0]
+    assert wire_rows.alpha_s.iloc[0] > 0 and wire_rows.seconds.min() > 0
+    assert "wire: alpha=" in out.stdout
