@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -22,6 +24,7 @@ from torch.distributed import TCPStore
 from harness import config
 from harness.config import ConfigError
 from harness.launch import failure
+from harness.measure import results
 from methods.ps import ucx, wire
 from tests.conftest import run_module
 
@@ -164,3 +167,16 @@ def test_microbench_times_the_ucx_wire(tmp_path: Path) -> None:
     assert set(frame.ps_wire) == {"ucx"} and frame.ps_wire_transports.iloc[0]
     assert wire_rows.alpha_s.iloc[0] > 0 and wire_rows.seconds.min() > 0
     assert "wire: alpha=" in out.stdout
+
+
+def test_rows_say_their_wire_and_older_shards_load_as_gloo(tmp_path: Path) -> None:
+    cfg = config.load(["model=bert_tiny", "method=bsp_ps", "cluster.ps_wire=ucx"])
+    row = {**results.identity(cfg, run_id="new", repeat=0), "status": "ok", "throughput": 1.0}
+    assert row["ps_wire"] == "ucx"
+    assert results.write_shard(results.shard_path(tmp_path, "new", 0), [row])
+    old = {k: v for k, v in row.items() if k not in results.WIRE} | {"run_id": "old"}
+    before = pa.schema([f for f in results.SCHEMA if f.name not in results.WIRE])
+    pq.write_table(pa.Table.from_pylist([old], schema=before),
+                   results.shard_path(tmp_path, "old", 0))
+    frame = results.load(tmp_path).set_index("run_id")
+    assert frame.ps_wire.to_dict() == {"new": "ucx", "old": "gloo"}
