@@ -47,7 +47,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     if rank in (0, 2):
         sends = [wire.isend(torch.full((5,), float(rank + 1)), 1, tag=7),
                  wire.isend(torch.arange(3, dtype=torch.bfloat16) + rank, 1, tag=9),
-                 wire.isend(torch.empty(0, dtype=torch.int64), 1, tag=11)]
+                 wire.isend(torch.empty(0, dtype=torch.int64), 1, tag=11),
+                 wire.isend(torch.tensor(rank + 0.5, dtype=torch.float64), 1, tag=12)]
         for work in sends:
             work.wait()
         said["transports"] = wire.describe()
@@ -68,9 +69,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def _receive(store: TCPStore) -> dict:
     """Rank 1's part of `_rank`."""
-    got = {(peer, tag): torch.empty(n, dtype=dtype) for peer in (2, 0)
-           for tag, n, dtype in ((9, 3, torch.bfloat16), (7, 5, torch.float32),
-                                 (11, 0, torch.int64))}
+    got = {(peer, tag): torch.empty(shape, dtype=dtype) for peer in (2, 0)
+           for tag, shape, dtype in ((12, (), torch.float64), (9, (3,), torch.bfloat16),
+                                     (7, (5,), torch.float32), (11, (0,), torch.int64))}
     works = [wire.irecv(t, peer, tag=tag) for (peer, tag), t in got.items()]
     for work in works:
         work.wait()
@@ -115,6 +116,7 @@ def test_messages_match_by_peer_and_tag_in_any_order(ucx_ranks) -> None:
         assert got[f"{peer}/7"] == [peer + 1.0] * 5
         assert got[f"{peer}/9"] == [peer + 0.0, peer + 1.0, peer + 2.0]
         assert got[f"{peer}/11"] == []
+        assert got[f"{peer}/12"] == peer + 0.5  # a 0-dim tensor
 
 
 def test_a_wait_past_its_timeout_names_the_peer_as_a_timeout(ucx_ranks) -> None:

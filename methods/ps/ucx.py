@@ -164,7 +164,7 @@ class Ucx:
         if not self.cuda:
             return self.isend(tensor.cpu(), peer, tag)  # copied before it returns
         torch.cuda.current_stream(tensor.device).synchronize()  # its bytes are written
-        array = self.api_array(tensor.contiguous().view(torch.uint8))
+        array = self.api_array(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         request = self.endpoint(peer).tag_send(array, self.api.UCXXTag(ucx_tag(self.rank, tag)))
         return Handle(request, (tensor, array), peer=peer, what=f"a send (tag {tag}) to",
                       timeout_s=self.timeout_s)
@@ -176,7 +176,9 @@ class Ucx:
             handle = self.irecv(host, peer, tag)
             handle.after = lambda: tensor.copy_(host)
             return handle
-        array = self.api_array(tensor.view(torch.uint8))
+        if not tensor.is_contiguous():
+            raise ValueError("ucx wire: only contiguous tensors can be received")
+        array = self.api_array(tensor.detach().reshape(-1).view(torch.uint8))
         request = self.worker.tag_recv(array, self.api.UCXXTag(ucx_tag(peer, tag)))
         return Handle(request, (tensor, array), peer=peer, what=f"a receive (tag {tag}) from",
                       timeout_s=self.timeout_s, lost=lambda: self.lost(peer))
@@ -197,7 +199,7 @@ class Ucx:
         """A host tensor's bytes as a ucxx Array (no copy; contiguous tensors only)."""
         if not tensor.is_contiguous():
             raise ValueError("ucx wire: only contiguous tensors can be sent or received")
-        return self.api_array(tensor.detach().view(torch.uint8).numpy())
+        return self.api_array(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
     def transports(self) -> list[str]:
         """The transports UCX picked for this rank's endpoints ("tcp/lo", "rc_mlx5/mlx5_0:1",
