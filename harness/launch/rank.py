@@ -258,7 +258,8 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
         ctx.node_groups = node_groups(workers, cfg.cluster.workers_per_node, timeout=timeout)
         if worker:
             lengthen_nccl([None, ctx.worker_group, *(ctx.node_groups or ())], cfg.run.timeout_s)
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets an old one
+        if cfg.cluster.ps_wire == "ucx":
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets an old one
         wire.start(cfg.cluster.ps_wire, store=dist.distributed_c10d._get_default_store(),
                    rank=rank, timeout_s=cfg.run.timeout_s, device=device)
         session = None
