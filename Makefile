@@ -1,6 +1,7 @@
 # One command each: `make run` (the small local study) and `make test` (everything CI runs);
 # `make bench` measures every method against ddp, the plain training loop and Horovod.
-# All create .venv and install the project into it when missing or stale; `make test` and
+# All create .venv and install the project (with its dev and ucx extras: the tests of
+# cluster.ps_wire=ucx run in CI) into it when missing or stale; `make test` and
 # `make bench` also build Horovod into it (`make horovod`, engine=horovod).
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ucx]'
 	touch $(STAMP)
 
 # Horovod 0.28.1 from source against the venv's torch (harness/install_horovod.py: about

@@ -4,7 +4,8 @@
     python -m harness.microbench cluster=emulated cluster.nodes=2 network=eth1g
 
 Main keys: cluster=, network= (names below), cluster.nodes, cluster.workers_per_node,
-microbench.min_bytes=1024, microbench.max_bytes=16777216, microbench.repeats=5, results_dir.
+microbench.min_bytes=1024, microbench.max_bytes=16777216, microbench.repeats=5, results_dir,
+cluster.ps_wire (gloo | ucx: the wire the `wire` kind and PS round trips go over).
 
 Times point-to-point transfers (half a round trip) and all-reduces over all workers
 for message sizes from `microbench.min_bytes` to
@@ -19,9 +20,12 @@ single node, the link between its first two workers, the only one there is.
 `p2p_intra`, measured apart where several nodes have several workers each, is the link
 inside a node (ranks 0 and 1). With a PS `method=` (servers exist from 2 nodes on), `ps`
 is a push/pull round trip per size through the real parameter server, every node's root
-pushing (harness/measure/psbench.py). Each row names the cluster's `nodes` and
-`workers_per_node`: the simulator takes the all-reduce and the PS round trip of the shape
-it predicts from there (harness/predict/links.py).
+pushing (harness/measure/psbench.py). `wire` is the `p2p` link over the PS wire
+(`cluster.ps_wire`: gloo or ucx) with host tensors, as pushes and pulls travel: run it
+once with each wire to compare their alpha and beta; the rows' `ps_wire` and
+`ps_wire_transports` say which wire, and which transports UCX picked. Each row names
+the cluster's `nodes` and `workers_per_node`: the simulator takes the all-reduce and the
+PS round trip of the shape it predicts from there (harness/predict/links.py).
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ from harness.measure import results
 
 SUBMIT_KEYS = ("dry_run",)
 IDENTITY = ("model", "method", "engine", "nodes", "workers_per_node", "servers", "network",
-            "local_batch_size", "warmup_iters", "timed_iters", "sync_each_step", "rate")
+            "local_batch_size", "warmup_iters", "timed_iters", "sync_each_step", "rate",
+            "ps_wire")
 SECTIONS = ("model", "method", "network")  # whole: any key of them overridden is another run
 
 
@@ -86,7 +87,7 @@ def identity(cfg: DictConfig) -> tuple:
     return (cfg.model.name, cfg.method.name, cfg.engine, cfg.cluster.nodes,
             cfg.cluster.workers_per_node, num_servers(cfg), cfg.network.name,
             cfg.model.local_batch_size, cfg.run.warmup_iters, cfg.run.timed_iters,
-            step_ending(cfg.run), cfg.run.rate, _sections(thaw(cfg)))
+            step_ending(cfg.run), cfg.run.rate, cfg.cluster.ps_wire, _sections(thaw(cfg)))
 
 
 def _sections(tree: dict) -> str:

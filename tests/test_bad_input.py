@@ -341,6 +341,12 @@ ROWS = [
     ("harness.methodbench", ["--selfcheck", "run.warmup_iters=3"], ["run.warmup_iters>=5"]),
     ("harness.methodbench", ["--selfcheck", "--predict", "{tmp}"],
      ["--predict {tmp} holds no microbenchmark"]),
+    # the PS wire (issue 40): cluster.ps_wire
+    ("harness.run", ["method=bsp_ps", "cluster.ps_wire=rdma"],
+     ["cluster.ps_wire='rdma' is invalid", "gloo, ucx"]),
+    ("harness.check", ["cluster.ps_wire=tcp"], ["cluster.ps_wire='tcp' is invalid"]),
+    ("harness.submit", ["method=bsp_ps", "cluster.ps_wire=UCX", "dry_run=true"],
+     ["cluster.ps_wire='UCX' is invalid"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"

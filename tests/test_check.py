@@ -71,6 +71,19 @@ def test_failing_methods_are_named_and_fail_the_check(results_dir) -> None:
     assert not results_dir.exists(), "a failed check writes no failed rows"
 
 
+def test_the_ucx_wire_is_checked_between_every_worker_and_server(results_dir) -> None:
+    """cluster.ps_wire=ucx: a round trip per worker and server over UCX, the transports UCX
+    picked in the line, UCX_TLS passed through to UCX (and shown in the table)."""
+    out = run_module("harness.check", *SMALL, f"results_dir={results_dir}", "cluster.nodes=2",
+                     "method=bsp_ps", "cluster.ps_wire=ucx", timeout=RUN_TIMEOUT_S,
+                     env={"UCX_TLS": "tcp"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"^group ps wire worker-server \(ucx: tcp/\S+\): ok$", out.stdout, re.M), \
+        out.stdout
+    assert "UCX_TLS=tcp" in out.stdout
+    assert summary(out.stdout)[-1] == "every check passed"
+
+
 def test_torchrun_runs_the_same_launches_on_every_rank(results_dir) -> None:
     # two processes: the A2A methods run one after another in the same processes (each
     # on a store of its own); bsp_ps on two nodes needs their two servers and is skipped

@@ -33,6 +33,8 @@ RUN = ["model=bert_tiny", f"run.warmup_iters={WARMUP}", f"run.timed_iters={TIMED
 SECOND_REPEAT = WARMUP + TIMED + 2  # run.fault.at_iter of an iteration in the second repeat
 METHODS = ("bsp_a2a", "wfbp_ps", "bytescheduler_a2a")  # all-reduce, PS, ByteScheduler
 HOROVOD = "@horovod"  # a method on engine=horovod
+UCX = "@ucx"  # a PS method on cluster.ps_wire=ucx (methods/ps/ucx.py)
+UCX_IN_MAKE_TEST = ("worker-stop", "server-exit")  # a worker frozen, a server killed
 HANG_TIMEOUT_S = 30  # run.timeout_s of hangs: short, yet above a loaded machine's start-up skew
 
 
@@ -57,10 +59,10 @@ FAULTS = {  # each with the method `make test` runs it with
     Fault("worker-exit", _inject(1, "exit"), ["rank 1 exited with code 3", "repeat 1"]):
         "bytescheduler_a2a",
     Fault("worker-hang", _inject(1, "hang"), ["rank 1 hung", "repeat 1"],
-          timeout_s=HANG_TIMEOUT_S): "wfbp_ps",
+          timeout_s=HANG_TIMEOUT_S, methods=(*METHODS, f"wfbp_ps{UCX}")): "wfbp_ps",
     # SIGSTOP: every thread of the rank frozen (Gloo's, the method's), then SIGKILLed and reaped
     Fault("worker-stop", _inject(1, "stop"), ["rank 1 hung", "repeat 1", "timed out"],
-          timeout_s=HANG_TIMEOUT_S): "bsp_a2a",
+          timeout_s=HANG_TIMEOUT_S, methods=(*METHODS, f"wfbp_ps{UCX}")): "bsp_a2a",
     # SIGABRT without a word (a C++ crash): its silent peer, beating a moment ago, is not blamed
     Fault("worker-abort", _inject(1, "abort"), ["rank 1 was killed by signal SIGABRT",
                                                 "repeat 1"]): "bytescheduler_a2a",
@@ -69,9 +71,9 @@ FAULTS = {  # each with the method `make test` runs it with
           timeout_s=HANG_TIMEOUT_S, workers=1, methods=("bsp_a2a", "bytescheduler_a2a")):
         "bsp_a2a",
     Fault("server-exit", _inject(2, "exit"), ["rank 2 exited with code 3"],
-          methods=("wfbp_ps",)): "wfbp_ps",
+          methods=("wfbp_ps", f"wfbp_ps{UCX}")): "wfbp_ps",
     Fault("server-hang", _inject(2, "hang"), ["rank 2 hung", "parameter server rank 2"],
-          timeout_s=HANG_TIMEOUT_S, methods=("wfbp_ps",)): "wfbp_ps",
+          timeout_s=HANG_TIMEOUT_S, methods=("wfbp_ps", f"wfbp_ps{UCX}")): "wfbp_ps",
     Fault("launcher-sigint", [], ["interrupted (SIGINT"], action="SIGINT", code=130):
         "wfbp_ps",
     Fault("launcher-sigterm", [], ["SIGTERM"], action="SIGTERM", code=143):
@@ -92,7 +94,9 @@ FAULTS = {  # each with the method `make test` runs it with
 NO_HOROVOD = pytest.mark.skipif(horovod.problem(device="cpu") is not None,
                                 reason=f"{horovod.problem(device='cpu')}")
 CASES = [pytest.param(fault, method, id=f"{fault.name}-{method}",
-                      marks=([] if method == FAULTS[fault] else [pytest.mark.faults])
+                      marks=([] if method == FAULTS[fault] or (
+                          method.endswith(UCX) and fault.name in UCX_IN_MAKE_TEST)
+                          else [pytest.mark.faults])
                       + ([NO_HOROVOD] if method.endswith(HOROVOD) else []))
          for fault in FAULTS for method in fault.methods]
 
@@ -184,8 +188,10 @@ def _assert_failed_cleanly(run: Run, fault: Fault, code: int) -> None:
 def test_fault_ends_the_run_with_one_row_naming_the_cause(fault: Fault, method: str,
                                                           tmp_path: Path) -> None:
     sweep = ["-m", "run.seed=0,1"] if fault.action.startswith("SIG") else []
+    method, on_ucx, _ = method.partition(UCX)
     # PS methods with every worker pushing: one node then has its server (rank 2)
     ps = ["method.transport.local_reduce=false"] if method.endswith("_ps") else []
+    ps += ["cluster.ps_wire=ucx"] if on_ucx else []
     method, on_horovod, _ = method.partition(HOROVOD)
     engine = ["engine=horovod"] if on_horovod else []
     run = Run(tmp_path, *sweep, f"method={method}", *ps, *engine,
@@ -194,6 +200,8 @@ def test_fault_ends_the_run_with_one_row_naming_the_cause(fault: Fault, method: 
     _act(run, fault.action)
     code = run.finish(timeout=fault.timeout_s + 180)
     _assert_failed_cleanly(run, fault, code)
+    if on_ucx:  # the rows say which wire carried the PS messages
+        assert set(results.load(run.results).ps_wire) == {"ucx"}
     if sweep:  # a signal stops the whole sweep: the second job never starts
         assert "job 2/2" not in run.out.read_text()
         assert results.load(run.results).run_id.nunique() == 1

@@ -52,6 +52,7 @@ from harness.measure.verify import flat_params, reference, train
 from methods.costmodel import Cost, least_squares
 from methods.layout import assign, cut
 from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
+from methods.ps import wire as ps_wire
 from tests.conftest import REPO, run_module
 
 METHOD_FILES = sorted((REPO / "conf" / "method").glob("*.yaml"))
@@ -74,6 +75,10 @@ SWITCHES = [(local, rule, sched) for local in (True, False) for rule in ("hash",
 # method, two nodes (where node-local aggregation and servers meet) the PS methods
 SHAPES = [(1, 2, 1, METHODS, ("resnet", "bert")), (1, 3, 1, METHODS, ("resnet", "bert")),
           (2, 2, 2, PS_METHODS, ("resnet", "bert")), (2, 3, 2, PS_METHODS, ("bert",))]
+# ... and the PS methods on the UCX wire (cluster.ps_wire=ucx, methods/ps/ucx.py), the
+# smallest flavor: one node with every worker pushing to the server, two nodes on the
+# scatter path and (wfbp_ps) through the root
+WIRE_SHAPES = [(1, 2, 1, PS_METHODS, ("bert",), "ucx"), (2, 2, 2, PS_METHODS, ("bert",), "ucx")]
 MATRIX_TIMEOUT_S = 600
 
 
@@ -227,10 +232,22 @@ def _variants(nodes: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _jobs(nodes: int, per_node: int, names: list[str], flavors) -> list[tuple[str, str, list[str]]]:
+def _wire_runs(nodes: int) -> list[tuple[str, list[str]]]:
+    """The PS methods where their messages cross the wire: on one node every worker
+    pushes (with node-local aggregation one node has no server), on two the scatter path,
+    and the path through the root."""
+    if nodes == 1:
+        return [(f"{n}[local_reduce=False]", ["method.transport.local_reduce=false"])
+                for n in PS_METHODS]
+    return [(n, []) for n in PS_METHODS] + [("wfbp_ps[node_reduce=root]",
+                                             ["method.transport.node_reduce=root"])]
+
+
+def _jobs(nodes: int, per_node: int, names: list[str], flavors,
+          wire: str = "gloo") -> list[tuple[str, str, list[str]]]:
     shape = [f"cluster.nodes={nodes}", f"cluster.workers_per_node={per_node}", "run.force=true",
-             "run.timeout_s=120"]
-    runs = [(n, []) for n in names] + _variants(nodes)
+             "run.timeout_s=120", f"cluster.ps_wire={wire}"]
+    runs = [(n, []) for n in names] + _variants(nodes) if wire == "gloo" else _wire_runs(nodes)
     jobs = []
     for flavor in flavors:
         overrides = FLAVORS[flavor if nodes * per_node == 2 else f"{flavor}_many"]
@@ -321,19 +338,23 @@ def _first_uses() -> None:
 
 def _matrix_rank(rank: int, world: int, shape: tuple, port: int, out: str) -> None:
     """One process of the matrix: a server serves; a worker runs every job in turn."""
-    nodes, per_node, _, names, flavors = shape
+    nodes, per_node, _, names, flavors, *wire = shape
     workers = nodes * per_node
     _first_uses()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=120))
+    ps_wire.start(*wire or ["gloo"], store=dist.distributed_c10d._get_default_store(),
+                  rank=rank, timeout_s=120)
     ctx = _context(rank, world, workers, per_node)
     if rank >= workers:
         methods.serve(num_workers=workers)
+        dist.barrier()
+        ps_wire.close()
         dist.destroy_process_group()
         return
     results, refs = {}, {}
-    for name, flavor, overrides in _jobs(nodes, per_node, names, flavors):
+    for name, flavor, overrides in _jobs(nodes, per_node, names, flavors, *wire):
         started = time.perf_counter()
         cfg = config.load(overrides)
         try:
@@ -352,6 +373,8 @@ def _matrix_rank(rank: int, world: int, shape: tuple, port: int, out: str) -> No
         methods.stop_servers(num_workers=workers)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    dist.barrier()  # every server has had its STOP before the wire closes
+    ps_wire.close()
     dist.destroy_process_group()
 
 
@@ -379,13 +402,15 @@ def _spawn(fn, world: int, *args, timeout_s: float) -> list[int]:
 
 
 def _shape_id(shape: tuple) -> str:
-    nodes, per_node, servers, names, _ = shape
-    return f"n{nodes}x{per_node}s{servers}" + ("" if names is METHODS else "-ps")
+    nodes, per_node, servers, names, _, *wire = shape
+    return f"n{nodes}x{per_node}s{servers}" + ("" if names is METHODS else "-ps") + \
+        "".join(f"-{w}" for w in wire)
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=[_shape_id(s) for s in SHAPES])
+@pytest.fixture(scope="module", params=SHAPES + WIRE_SHAPES,
+                ids=[_shape_id(s) for s in SHAPES + WIRE_SHAPES])
 def matrix(request, tmp_path_factory) -> tuple[int, dict]:
-    nodes, per_node, servers, names, flavors = shape = request.param
+    nodes, per_node, servers, names, flavors, *wire = shape = request.param
     world = nodes * per_node + servers
     out = tmp_path_factory.mktemp("matrix") / "results.json"
     started = time.monotonic()
@@ -393,7 +418,7 @@ def matrix(request, tmp_path_factory) -> tuple[int, dict]:
                    timeout_s=MATRIX_TIMEOUT_S)
     assert codes == [0] * world, f"exit codes {codes}"
     results = json.loads(out.read_text())
-    expected = {f"{n}/{f}" for n, f, _ in _jobs(nodes, per_node, names, flavors)}
+    expected = {f"{n}/{f}" for n, f, _ in _jobs(nodes, per_node, names, flavors, *wire)}
     missing = expected - set(results)
     assert not missing, f"did not run (an earlier job failed): {sorted(missing)}"
     results["_seconds"] = time.monotonic() - started

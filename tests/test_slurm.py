@@ -316,7 +316,8 @@ def test_a_configuration_done_is_not_done_on_horovod_or_with_other_method_settin
     done = submit.completed(tmp_path)
     assert done == {submit.identity(cfg): 1}
     for other in (["engine=horovod"], ["method.horovod.cycle_time_s=0.005"],
-                  ["model.build.seq_len=16"], ["run.sync_each_step=true"]):
+                  ["model.build.seq_len=16"], ["run.sync_each_step=true"],
+                  ["cluster.ps_wire=ucx"]):
         twin = config.load(["model=bert_tiny", "method=bsp_a2a", f"results_dir={tmp_path}",
                             *other])
         assert submit.identity(twin) not in done, other

@@ -10,6 +10,7 @@ on every job.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import shutil
 import socket
@@ -207,6 +208,13 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
             f"cluster.nodes={cluster.nodes} x cluster.workers_per_node={cluster.workers_per_node}"
             f" = {workers} workers, all started on this machine, exceed its {gpus} GPUs (one "
             "each); lower them or use cluster.device=cpu")
+
+
+def check_ps_wire(cluster: DictConfig) -> None:
+    """cluster.ps_wire=ucx needs ucxx (the `.[ucx]` extra) in this environment."""
+    if cluster.ps_wire == "ucx" and importlib.util.find_spec("ucxx") is None:
+        raise ConfigError("cluster.ps_wire=ucx needs ucxx, which is not installed; install it "
+                          "with pip install -e '.[ucx]', or use cluster.ps_wire=gloo")
 
 
 def missing_net_tools() -> list[str]:

@@ -20,6 +20,7 @@ from harness.config.schema import (
     CLOCKS,
     FAULT_KINDS,
     OPTIMIZERS,
+    PS_WIRES,
     RATES,
     ConfigError,
     first_line,
@@ -59,6 +60,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
         _positive("cluster.servers", cfg.cluster.servers, zero_ok=True)
     _one_of("cluster.device", cfg.cluster.device, ("auto", "cpu", "cuda"))
     _one_of("cluster.backend", cfg.cluster.backend, ("auto", "gloo", "nccl"))
+    _one_of("cluster.ps_wire", cfg.cluster.ps_wire, PS_WIRES)
     _one_of("model.optimizer.name", cfg.model.optimizer.name, OPTIMIZERS)
     for name in ("model.optimizer.lr", "model.optimizer.momentum", "model.optimizer.weight_decay"):
         _positive(name, select(cfg, name), zero_ok=True)
@@ -85,6 +87,7 @@ def validate(cfg: Config, *, simulate: bool = False, checked: set | None = None)
     checks.check_fit(cfg, here=sum(checks.processes(cfg)) if checks.spawns_here(cfg) else None)
     _check_profile(cfg.method.planner, cfg.run)
     checks.check_devices(cfg.cluster, local=checks.spawns_here(cfg))
+    checks.check_ps_wire(cfg.cluster)
     checks.check_links(cfg)
 
 

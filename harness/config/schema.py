@@ -37,6 +37,7 @@ def ending(value: Any) -> str:
     return "drain" if text == "true" else text
 
 
+PS_WIRES = ("gloo", "ucx")  # methods/ps/wire.py WIRES: Gloo's point-to-point, or UCX
 ENGINES = ("native", "horovod")  # what runs an all-reduce method's collectives
 # run.fault.kind: raise an error, exit (os._exit(3)), hang (the training thread sleeps; the
 # process's other threads run on), stop (SIGSTOP: every thread of the process frozen, as a
@@ -125,6 +126,7 @@ class ClusterConf:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME: the interface of Gloo's (PS) traffic
+    ps_wire: str = "gloo"  # what carries PS messages: PS_WIRES (methods/ps/wire.py)
     slurm: SlurmConf | None = None  # submission settings (harness.submit, cluster=slurm)
 
 

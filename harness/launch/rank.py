@@ -34,6 +34,7 @@ from harness.config import ConfigError, from_json, resolve_backend, resolve_devi
 from harness.config.ranks import num_servers, num_workers, torch_threads
 from harness.config.schema import first_line
 from harness.launch import failure, horovod
+from methods.ps import wire
 
 
 @dataclass
@@ -257,6 +258,10 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
         ctx.node_groups = node_groups(workers, cfg.cluster.workers_per_node, timeout=timeout)
         if worker:
             lengthen_nccl([None, ctx.worker_group, *(ctx.node_groups or ())], cfg.run.timeout_s)
+        if cfg.cluster.ps_wire == "ucx":
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets an old one
+        wire.start(cfg.cluster.ps_wire, store=dist.distributed_c10d._get_default_store(),
+                   rank=rank, timeout_s=cfg.run.timeout_s, device=device)
         session = None
         if cfg.engine == "horovod" and ctx.is_worker:  # engine=horovod has no servers
             ctx.beat("starting Horovod")
@@ -268,6 +273,7 @@ def run_rank(cfg: DictConfig, *, entry: str, run_id: str | None, run_dir: Path |
             code = int(exc.code or 0)
         ctx.beat("leaving the process group")
         dist.barrier()  # every rank is done with every collective: nobody tears down early
+        wire.close()  # the PS wire's threads end (UCX's progress thread)
         if session is not None:
             session.stop()  # Horovod's thread ends with its peers' while all are alive
         dist.destroy_process_group()

@@ -18,8 +18,10 @@ from harness.measure import psbench, results
 from harness.measure.timing import device_sync
 from methods.costmodel import least_squares
 from methods.costtiming import time_allreduce
+from methods.ps import wire
 
 FOLDER = results.OTHER_DATA
+WIRE_TAG = 6  # the `wire` kind's messages (methods/ps/wire.py's tags stop at 3, keys from 16)
 
 
 def sizes(cfg: DictConfig) -> list[int]:
@@ -47,10 +49,13 @@ def pairs(*, nodes: int, workers_per_node: int) -> dict[str, tuple[int, int]]:
 
 
 def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
-             pair: tuple[int, int] = (0, 1)) -> float:
+             pair: tuple[int, int] = (0, 1), over_wire: bool = False) -> float:
     """Median one-way seconds of `nbytes` between the ranks of `pair` (ping-pong / 2), on
-    the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do);
-    other ranks return 0 at once."""
+    the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do),
+    or `over_wire`: host tensors over the PS wire (methods/ps/wire.py, cluster.ps_wire),
+    as pushes and pulls travel; other ranks return 0 at once."""
+    device = torch.device("cpu") if over_wire else device
+    send, recv = (_wire_send, _wire_recv) if over_wire else (_dist_send, _dist_recv)
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
     first, second = pair
     samples = []
@@ -58,15 +63,31 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
         device_sync(device)
         start = time.perf_counter()
         if rank == first:
-            dist.send(buf, dst=second)
-            dist.recv(buf, src=second)
+            send(buf, second)
+            recv(buf, second)
         elif rank == second:
-            dist.recv(buf, src=first)
-            dist.send(buf, dst=first)
+            recv(buf, first)
+            send(buf, first)
         device_sync(device)
         if i:  # the first round trip is a warm-up
             samples.append((time.perf_counter() - start) / 2)
     return statistics.median(samples) if samples else 0.0
+
+
+def _dist_send(buf: torch.Tensor, peer: int) -> None:
+    dist.send(buf, dst=peer)
+
+
+def _dist_recv(buf: torch.Tensor, peer: int) -> None:
+    dist.recv(buf, src=peer)
+
+
+def _wire_send(buf: torch.Tensor, peer: int) -> None:
+    wire.send(buf, peer, tag=WIRE_TAG)
+
+
+def _wire_recv(buf: torch.Tensor, peer: int) -> None:
+    wire.recv(buf, peer, tag=WIRE_TAG)
 
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
@@ -82,6 +103,10 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         for kind, pair in links.items():
             rows.append((kind, f"{pair[0]}-{pair[1]}", nbytes, time_p2p(
                 nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair)))
+        wire_pair = links["p2p"]  # the PS wire (gloo or ucx) over the same link, host tensors
+        rows.append(("wire", f"{wire_pair[0]}-{wire_pair[1]}", nbytes, time_p2p(
+            nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=wire_pair,
+            over_wire=True)))
         rows.append(("allreduce", "all", nbytes, time_allreduce(
             ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
     if ctx.num_servers:  # a PS method: its round trip through the real server (psbench.py)
@@ -92,7 +117,8 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
                              network=cfg.network.name, world_size=ctx.num_workers,
                              nodes=cfg.cluster.nodes,  # the shape its all-reduce ran on
-                             workers_per_node=cfg.cluster.workers_per_node)
+                             workers_per_node=cfg.cluster.workers_per_node,
+                             **wire.describe())  # ps_wire, the transports it picked
         path = Path(cfg.results_dir) / FOLDER / f"{ctx.run_id}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(path)

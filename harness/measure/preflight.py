@@ -1,6 +1,8 @@
 """The rank side of `python -m harness.check`'s environment section (harness/check.py):
-every rank's host, role, device, interfaces and versions gathered to rank 0, and one
-small all-reduce on every group a run uses; every rank exits 1 when a group failed."""
+every rank's host, role, device, interfaces and versions gathered to rank 0, one
+small all-reduce on every group a run uses and, with cluster.ps_wire=ucx, a round trip
+over the UCX wire between every worker and server with the transports UCX picked; every
+rank exits 1 when a group failed."""
 
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ from harness.config import engine as horovod
 from harness.config.schema import first_line
 from harness.launch.rank import Context
 from harness.measure.results import nccl_version
+from methods.ps import wire
 
-NET_VARS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME")
+NET_VARS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "UCX_TLS",
+            "UCX_NET_DEVICES")
+CHECK_TAG = 5  # the wire check's messages (methods/ps/wire.py's tags stop at 3, keys from 16)
 
 
 def versions(device: torch.device) -> dict[str, str]:
@@ -81,15 +86,53 @@ def all_reduce_ok(group: dist.ProcessGroup | None, *, rank: int, members: int,
         return backend, f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"
 
 
-def group_checks(ctx: Context) -> dict[str, tuple[str, str]]:
-    """This rank's outcome on every group it is a member of."""
+def group_checks(ctx: Context, *, ps_wire: str = "gloo") -> dict[str, tuple[str, str]]:
+    """This rank's outcome on every group it is a member of (and on the UCX wire)."""
     out = {"default": all_reduce_ok(None, rank=ctx.rank, members=ctx.world_size,
                                     device=torch.device("cpu"))}
     if ctx.is_worker:
         name = "workers" if ctx.worker_group is not None else "workers (the default group)"
         out[name] = all_reduce_ok(ctx.worker_group, rank=ctx.rank, members=ctx.num_workers,
                                   device=ctx.device)
+    if ps_wire == "ucx":
+        pairs = wire_pairs(ctx.num_workers, ctx.world_size)
+        if any(ctx.rank in pair for pair in pairs):
+            out[f"ps wire {'worker-server' if ctx.num_servers else 'worker-worker'}"] = \
+                wire_ok(pairs, rank=ctx.rank)
     return out
+
+
+def wire_pairs(workers: int, world: int) -> list[tuple[int, int]]:
+    """Who the wire check pairs: every worker with every server; without servers
+    worker 0 with every other worker (the node's signals)."""
+    if world > workers:
+        return [(w, s) for w in range(workers) for s in range(workers, world)]
+    return [(0, w) for w in range(1, workers)]
+
+
+def wire_ok(pairs: list[tuple[int, int]], *, rank: int) -> tuple[str, str]:
+    """One round trip over the PS wire per pair this rank is in (a sends rank + 1, b
+    answers it doubled), in one global order; ('<wire>: <transports>', '' or the error)."""
+    try:
+        for a, b in pairs:
+            if rank == a:
+                wire.send(torch.full((4,), float(a + 1)), b, tag=CHECK_TAG)
+                back = torch.zeros(4)
+                wire.recv(back, b, tag=CHECK_TAG)
+                if back.tolist() != [2.0 * (a + 1)] * 4:
+                    return _wire_name(), f"rank {rank}: rank {b} answered {back[0]:g}"
+            elif rank == b:
+                got = torch.zeros(4)
+                wire.recv(got, a, tag=CHECK_TAG)
+                wire.send(2 * got, a, tag=CHECK_TAG)
+        return _wire_name(), ""
+    except Exception as exc:  # noqa: BLE001 - the check reports any failure, then goes on
+        return _wire_name(), f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"
+
+
+def _wire_name() -> str:
+    said = wire.describe()
+    return f"{said['ps_wire']}: {said['ps_wire_transports'] or 'no endpoint'}"
 
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
@@ -97,7 +140,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     Every rank ends with exit code 1 when a group failed."""
     infos: list = [None] * ctx.world_size
     dist.all_gather_object(infos, rank_info(ctx))
-    outcomes = group_checks(ctx)
+    outcomes = group_checks(ctx, ps_wire=cfg.cluster.ps_wire)
     gathered: list = [None] * ctx.world_size
     dist.all_gather_object(gathered, outcomes)
     lines = group_lines(gathered)
@@ -147,5 +190,6 @@ def group_lines(gathered: list[dict]) -> list[str]:
         members = [o[name] for o in gathered if name in o]
         errors = [err for _, err in members if err]
         verdict = f"FAILED {errors[0]}" if errors else "ok"
-        lines.append(f"group {name} ({members[0][0]}): {verdict}")
+        kinds = "; ".join(dict.fromkeys(kind for kind, _ in members))  # per rank if they differ
+        lines.append(f"group {name} ({kinds}): {verdict}")
     return lines

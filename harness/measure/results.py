@@ -55,7 +55,11 @@ PROVENANCE = [
 # engine "native".
 ENGINE = ["engine", "horovod_version", "horovod_fusion_threshold_bytes", "horovod_cycle_time_s",
           "horovod_cache_capacity"]
-COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE + ENGINE
+# What carried the PS messages (cluster.ps_wire: gloo or ucx) and the transports it picked
+# on the row's rank (UCX's per endpoint: "tcp/lo", "rc_mlx5/mlx5_0:1", ...; Gloo: tcp).
+# Shards written before these columns load with wire "gloo".
+WIRE = ["ps_wire", "ps_wire_transports"]
+COLUMNS = IDENTITY + MODEL_INFO + PARAMETERS + METRICS + STATUS + PROVENANCE + ENGINE + WIRE
 
 SCHEMA = pa.schema([
     ("run_id", pa.string()), ("model", pa.string()), ("method", pa.string()),
@@ -85,6 +89,7 @@ SCHEMA = pa.schema([
     ("engine", pa.string()), ("horovod_version", pa.string()),
     ("horovod_fusion_threshold_bytes", pa.int64()), ("horovod_cycle_time_s", pa.float64()),
     ("horovod_cache_capacity", pa.int64()),
+    ("ps_wire", pa.string()), ("ps_wire_transports", pa.string()),
 ])
 assert SCHEMA.names == COLUMNS
 
@@ -113,18 +118,28 @@ def identity(cfg: Config, *, run_id: str, repeat: int, stack: dict | None = None
         "slurm_job_id": os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID")),
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "config_json": to_json(cfg), **horovod.columns(cfg),
+        "config_json": to_json(cfg), **horovod.columns(cfg), **wire_columns(cfg),
     }
+
+
+def wire_columns(cfg: Config) -> dict:
+    """The PS wire of the run and, on a rank that uses it, the transports it picked (None
+    elsewhere: the launcher's failed row, a rank before its first message)."""
+    wire = sys.modules.get("methods.ps.wire")  # loaded by every rank; never loaded here
+    live = wire.describe() if wire is not None else {}
+    mine = live.get("ps_wire") == cfg.cluster.ps_wire
+    return {"ps_wire": cfg.cluster.ps_wire,
+            "ps_wire_transports": (live["ps_wire_transports"] or None) if mine else None}
 
 
 def software() -> dict:
     """What changes GPU throughput besides the configuration: versions, the numerics in
-    force (harness.launch.device_settings applied run.tf32_*), NCCL_* / GLOO_* / HOROVOD_*
-    settings. Read from the torch this process has loaded (every run and measurement);
+    force (harness.launch.device_settings applied run.tf32_*), NCCL_* / GLOO_* / HOROVOD_* /
+    UCX_* settings. Read from the torch this process has loaded (every run and measurement);
     a process without torch (the simulator) has only its installed version to tell."""
     torch = sys.modules.get("torch")
     env = json.dumps({k: v for k, v in sorted(os.environ.items())
-                      if k.startswith(("NCCL_", "GLOO_", "HOROVOD_"))})
+                      if k.startswith(("NCCL_", "GLOO_", "HOROVOD_", "UCX_"))})
     if torch is None:
         return {"torch_version": installed_version("torch"), "comm_env_json": env}
     cudnn = torch.backends.cudnn.version()
@@ -263,6 +278,7 @@ def _frame(table: pa.Table) -> pd.DataFrame:
               "once", file=sys.stderr)
         frame = frame[~twice].reset_index(drop=True)
     frame["engine"] = frame["engine"].fillna("native")
+    frame["ps_wire"] = frame["ps_wire"].fillna("gloo")
     frame["sync_each_step"] = frame["sync_each_step"].map(ending)  # older shards: bools
     frame["rate"] = frame["rate"].fillna("window")
     return frame

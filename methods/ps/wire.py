@@ -23,8 +23,10 @@ whose data follow (at most HEADER - 3 per header).
 
 Every message of the family goes through `isend`/`irecv`/`send`/`recv` here, never through
 torch.distributed directly, so the wire under them is one choice per process (`use`):
-Gloo's point-to-point (the default) or another with the same calls and handles (a handle
-has `wait(timeout=None)` and `is_completed()`, as a `dist.Work`).
+Gloo's point-to-point (the default) or UCX's tag matching (methods/ps/ucx.py), with the
+same calls and handles (a handle has `wait(timeout=None)` and `is_completed()`, as a
+`dist.Work`). The harness picks it per run (`cluster.ps_wire`): `start` after
+torch.distributed is up, `close` when the rank is done.
 """
 
 from __future__ import annotations
@@ -66,10 +68,22 @@ def naming_server(server: int, key: int | None = None):
     return naming(server_name(server, key))
 
 
+WIRES = ("gloo", "ucx")
+CPU = torch.device("cpu")
+
+
 class Gloo:
     """torch.distributed's point-to-point calls on the default group (Gloo between hosts)."""
 
     name = "gloo"
+
+    @staticmethod
+    def transports() -> list[str]:
+        return ["tcp"]  # torch's Gloo speaks TCP only
+
+    @staticmethod
+    def close() -> None:
+        pass
 
     @staticmethod
     def isend(tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
@@ -91,6 +105,33 @@ def use(wire) -> None:
 
 def current():
     return _wire
+
+
+def start(name: str, *, store, rank: int, timeout_s: float,
+          device: torch.device = CPU) -> None:
+    """Use wire `name` (WIRES) in this process from now on. "ucx": a UCX worker whose
+    address goes to `store` (the run's) for the peers; a wait past `timeout_s` fails."""
+    if name not in WIRES:
+        raise ValueError(f"ps wire {name!r} is unknown; choose one of: {', '.join(WIRES)}")
+    if name == "gloo":
+        use(Gloo())
+        return
+    from methods.ps.ucx import Ucx
+
+    ucx = Ucx(store, rank=rank, timeout_s=timeout_s, device=device)
+    ucx.publish()
+    use(ucx)
+
+
+def close() -> None:
+    """End this process's wire (every message through) and go back to Gloo."""
+    wire, _ = _wire, use(Gloo())
+    wire.close()
+
+
+def describe() -> dict[str, str]:
+    """The row's columns of the wire in use: its name and the transports it picked."""
+    return {"ps_wire": _wire.name, "ps_wire_transports": ",".join(_wire.transports())}
 
 
 def isend(tensor: torch.Tensor, peer: int, *, tag: int):
