@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -150,3 +151,83 @@ def test_a_worker_refuses_a_shared_buffer_that_is_not_there(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="shared buffer .* is missing"):
         share(4, torch.float32, node=Node(1, 2, ("r", "b")), timeout_s=1, folder=tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+# -- the pipeline's depth (issue 40 item 4): a thread per stage, pulls land as they complete
+
+DEEP = [Part(0, 0, 6, SERVER), Part(1, 6, 14, SERVER), Part(2, 14, 24, SERVER)]  # no leftover
+
+
+def _reversing_server() -> None:
+    """Take every partition's push from the root, then answer the pulls last key first, a
+    pause between answers: the later partitions' pulls complete first."""
+    pushed = {}
+    for _ in DEEP:
+        head = torch.zeros(HEADER, dtype=torch.int64)
+        dist.recv(head, src=0, tag=CTRL_TAG)
+        key = int(head[3])
+        pushed[key] = torch.empty(DEEP[key].numel)
+        dist.recv(pushed[key], src=0, tag=KEY_TAG + key)
+    for key in sorted(pushed, reverse=True):
+        dist.send(pushed[key] + ANSWER, dst=0, tag=KEY_TAG + key)
+        time.sleep(0.3)
+
+
+class _SlowOut(HostStaging):
+    """Partition 0's copy to the host takes 0.5 s (a slow device-to-host copy)."""
+
+    def to_host(self, start: int, end: int):
+        if start < DEEP[0].end:
+            time.sleep(0.5)
+        return super().to_host(start, end)
+
+
+def _deep_rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    groups = _init(rank, world, port)
+    if rank == SERVER:
+        _reversing_server()
+        os._exit(0)
+    node, issued, trace = Node(rank, 2, groups), [], []
+    collective = ps_order.Node.collective
+
+    def logged(self, kind, chunk):
+        issued.append(f"{NAMES[kind]}:{chunk.numel()}")
+        return collective(self, kind, chunk)
+
+    ps_order.Node.collective = logged
+    flat = torch.arange(24.0) * (rank + 1)
+    staging = _SlowOut(flat, host=share(24, flat.dtype, node=node, timeout_s=30,
+                                        folder=Path(folder)))
+    pipeline = ScatterPipeline([SERVER], node, trace=trace)
+    job = _Exchange(DEEP, staging=staging, ready=None, timeout_s=30)
+    pipeline.put(job)
+    job.complete()
+    pipeline.stop(30)
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("ps-"))
+    Path(f"{out}.{rank}").write_text(json.dumps({"result": flat.tolist(), "issued": issued,
+                                                 "trace": trace, "alive": alive}))
+    os._exit(0)
+
+
+def test_the_next_partitions_reduce_overlaps_a_slow_copy_and_pulls_land_as_they_complete(
+        tmp_path) -> None:
+    out, folder = str(tmp_path / "out"), tmp_path / "shm"
+    folder.mkdir()
+    assert _spawn(_deep_rank, 3, _free_port(), str(folder), out, timeout_s=120) == [0] * 3
+    got = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    for g in got:
+        torch.testing.assert_close(torch.tensor(g["result"]), torch.arange(24.0) * 3 + ANSWER,
+                                   rtol=0, atol=0)
+        trace = [tuple(t) for t in g["trace"]]
+        # partition 1's reduce-scatter started while partition 0's copy out still ran
+        assert trace.index(("ps-reduce", "start", 1)) < trace.index(("ps-copy-out", "end", 0))
+        # the pulls landed last key first, as the server answered, and every later stage
+        # took them in that order (the others: in the order the root told them)
+        for stage, what in (("ps-pull", "end"), ("ps-copy-in", "start"),
+                            ("ps-gather", "start")):
+            assert [k for s, w, k in trace if (s, w) == (stage, what)] == [2, 1, 0], trace
+        assert g["alive"] == []  # stop joined every stage thread
+    # the same collectives in the same order on both workers: all-gathers as landed
+    want = ["reduce-scatter:6", "reduce-scatter:8", "reduce-scatter:10",
+            "all-gather:10", "all-gather:8", "all-gather:6"]
+    assert got[0]["issued"] == got[1]["issued"] == want
