@@ -23,6 +23,9 @@ from typing import Any
 
 from methods.base import side_stream, start_thread
 
+PULL_WAITERS = 8  # the root's pulls waited on at once: they land in any order within these
+ORDERS = {"scatter": "ps-reduce's partition order and the root's landing order",
+          "root": "ps-reduce's unit order, ps-broadcast in unit order"}
 # (thread, what it runs per item, who runs it); the order of a partition's way through
 STAGES = {
     "scatter": [
@@ -33,7 +36,7 @@ STAGES = {
         ("ps-push", "per partition: slices there? push it, post its pull (others: tell root)",
          "root / others"),
         ("ps-pull", "per partition, as each completes: the pull lands (others: root's word)",
-         "root: waiters / others: one"),
+         "root: PULL_WAITERS threads / others: one"),
         ("ps-copy-in", "per partition, in landing order: own slice <- shared buffer",
          "every worker"),
         ("ps-gather", "per partition, in landing order: all-gather (leftover: broadcast)",
@@ -41,14 +44,14 @@ STAGES = {
     ],
     "root": [
         ("ps-reduce", "per unit: reduce to the node's root", "every worker"),
-        ("ps-copy-out", "per unit: device -> pinned host mirror", "root"),
+        ("ps-copy-out", "per unit: device -> pinned host mirror (CPU: none)", "root"),
         ("ps-push", "per server: header; per partition: push, post its pull", "root"),
-        ("ps-pull", "per partition, as each completes: the pull lands", "root: waiters"),
+        ("ps-pull", "per partition, as each completes: the pull lands",
+         "root: PULL_WAITERS threads"),
         ("ps-copy-in", "per partition, in landing order: host -> device", "root"),
         ("ps-broadcast", "per unit, in unit order: broadcast from the root", "every worker"),
     ],
 }
-PULL_WAITERS = 8  # the root's pulls waited on at once: they land in any order within these
 
 
 def stage_lines(node_reduce: str, per_node: int) -> list[str]:
@@ -59,9 +62,11 @@ def stage_lines(node_reduce: str, per_node: int) -> list[str]:
         rows = [(t, w.replace("reduce to the node's root", "wait for the gradients")
                  .replace("broadcast from the root", "the unit has landed"), who)
                 for t, w, who in rows]
+    rows = [(t, w, who.replace("PULL_WAITERS", str(PULL_WAITERS))) for t, w, who in rows]
     head = f"PS pipeline ({path} path, {per_node} worker(s) a node), a thread per stage:"
-    return [head] + [f"  {t:<13} {w}  [{who}]" for t, w, who in rows] + [
-        "  node collectives go in the root's order (its ps-reduce and its landing order)"]
+    order = [f"  the node's collectives go in the root's order: {ORDERS[path]}"] \
+        if per_node > 1 else []
+    return [head] + [f"  {t:<13} {w}  [{who}]" for t, w, who in rows] + order
 
 
 class Stage:
