@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from methods.layout import Part
 from methods.ps import order as ps_order
-from methods.ps.node import HostStaging, _Exchange
+from methods.ps.node import HostStaging, _Exchange, _Pipeline
 from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node
 from methods.ps.scatter import ScatterPipeline, split
 from methods.ps.shared import share
@@ -162,12 +162,12 @@ def _reversing_server() -> None:
     """Take every partition's push from the root, then answer the pulls last key first, a
     pause between answers: the later partitions' pulls complete first."""
     pushed = {}
-    for _ in DEEP:
+    while len(pushed) < len(DEEP):
         head = torch.zeros(HEADER, dtype=torch.int64)
         dist.recv(head, src=0, tag=CTRL_TAG)
-        key = int(head[3])
-        pushed[key] = torch.empty(DEEP[key].numel)
-        dist.recv(pushed[key], src=0, tag=KEY_TAG + key)
+        for key in head[3 : 3 + int(head[1])].tolist():
+            pushed[key] = torch.empty(DEEP[key].numel)
+            dist.recv(pushed[key], src=0, tag=KEY_TAG + key)
     for key in sorted(pushed, reverse=True):
         dist.send(pushed[key] + ANSWER, dst=0, tag=KEY_TAG + key)
         time.sleep(0.3)
@@ -231,3 +231,43 @@ def test_the_next_partitions_reduce_overlaps_a_slow_copy_and_pulls_land_as_they_
     want = ["reduce-scatter:6", "reduce-scatter:8", "reduce-scatter:10",
             "all-gather:10", "all-gather:8", "all-gather:6"]
     assert got[0]["issued"] == got[1]["issued"] == want
+
+
+def _root_path_rank(rank: int, world: int, port: int, out: str) -> None:
+    """A node of one worker (rank 0) and the reversing server (rank 1): two units, the
+    first (keys 0, 1) slow to copy out, the second (key 2) landing first."""
+    _init(rank, world, port)
+    if rank == 1:
+        _reversing_server()
+        os._exit(0)
+    trace: list = []
+    parts = [Part(p.key, p.start, p.end, 1) for p in DEEP]
+    flat = torch.arange(24.0)
+    staging, pipeline = _SlowOut(flat), _Pipeline([1], Node(0, 1, None), trace=trace)
+    jobs = [_Exchange(ps, staging=staging, ready=None, timeout_s=30)
+            for ps in (parts[:2], parts[2:])]
+    for job in jobs:
+        pipeline.put(job)
+    for job in jobs:
+        job.complete()
+    pipeline.stop(30)
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("ps-"))
+    Path(out).write_text(json.dumps({"result": flat.tolist(), "trace": trace, "alive": alive}))
+    os._exit(0)
+
+
+def test_on_the_root_path_units_overlap_and_partitions_land_as_they_complete(
+        tmp_path) -> None:
+    out = str(tmp_path / "out")
+    assert _spawn(_root_path_rank, 2, _free_port(), out, timeout_s=120) == [0] * 2
+    got = json.loads(Path(out).read_text())
+    torch.testing.assert_close(torch.tensor(got["result"]), torch.arange(24.0) + ANSWER,
+                               rtol=0, atol=0)
+    trace = [tuple(t) for t in got["trace"]]
+    # unit 2 (key 2) was on its way while unit 1's copy out still ran
+    assert trace.index(("ps-reduce", "start", 2)) < trace.index(("ps-copy-out", "end", 0))
+    for stage, what in (("ps-pull", "end"), ("ps-copy-in", "start")):
+        assert [k for s, w, k in trace if (s, w) == (stage, what)] == [2, 1, 0], trace
+    # the units land in unit order (the node's order), the first once all of it is back
+    assert [k for s, w, k in trace if (s, w) == ("ps-broadcast", "end")] == [0, 2]
+    assert got["alive"] == []

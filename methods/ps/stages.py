@@ -3,10 +3,11 @@ one thread, one queue, one stream per stage; what each stage does is methods/ps/
 (the root path) and methods/ps/scatter.py (the scatter path).
 
 A `Stage` runs its step on each item put to it (a unit, `_Exchange`, or one of its
-partitions, `_Piece`), in the order put, on `threads` threads (1 but for the pull
-stage's waiters). Each thread starts with the first item, on that item's device, and on
-a GPU on the stage's stream (`side_stream(device, role)`: the copy stages on the host
-staging's way-out and way-back streams); what a stage queues on the GPU is ordered
+partitions, `_Piece`), in the order put, on `threads` threads (1 but for the root's
+pull waiters, which queue nothing on the GPU and share the stage's stream). Each thread
+starts with the first item, on that item's device, and on a GPU on the stage's stream
+(`side_stream(device, role)`: the copy stages on the host staging's way-out and way-back
+streams); what a stage queues on the GPU is ordered
 against other stages by events only, which items carry from one stage to the next.
 After its first error a stage fails every later item with it (the unit's handle raises
 it, naming the peer). `stop` lets every item put so far through, then joins the threads.
