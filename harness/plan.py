@@ -30,7 +30,7 @@ from harness import config
 from harness.config import checks, paths, usage
 from harness.predict.plans import describe, mgwfbp_inputs, plan_of, render, tensors
 from harness.predict.profile import unlike_device
-from methods.ps.stages import stage_lines
+from methods.ps.stage_table import stage_lines
 
 
 def main(argv: list[str]) -> int:

@@ -48,7 +48,8 @@ from methods.layout import Part
 from methods.ps import wire
 from methods.ps.order import BROADCAST, REDUCE, Node, NodeOrder
 from methods.ps.shared import pin, share, unpin
-from methods.ps.stages import PULL_WAITERS, Stage
+from methods.ps.stage_table import PULL_WAITERS
+from methods.ps.stages import Stage
 from methods.ps.wire import (
     CTRL_TAG,
     HEADER,

@@ -41,7 +41,8 @@ from methods.layout import Part
 from methods.ps import wire
 from methods.ps.node import _Exchange, _finish, _Piece, _Pipeline, _pull
 from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node, NodeOrder
-from methods.ps.stages import PULL_WAITERS, Stage
+from methods.ps.stage_table import PULL_WAITERS
+from methods.ps.stages import Stage
 from methods.ps.wire import CTRL_TAG, KEY_TAG, PUSH, header, naming, naming_server, server_name
 
 # root -> the node's other workers: "the pull of this key has landed" (the key, one int64),
