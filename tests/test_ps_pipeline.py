@@ -102,10 +102,18 @@ def test_scatter_pipeline_overlaps_partitions_and_sums_every_leftover(tmp_path) 
         for g in got:
             torch.testing.assert_close(torch.tensor(g["results"][it]), want, rtol=0, atol=0)
     # every partition reduce-scattered (its leftover reduced) before the first all-gather:
-    # partition k + 1 went out while k was on the wire, and every worker issued this order
-    one = ["reduce-scatter:6", "reduce:1", "reduce-scatter:8", "reduce:1",
-           "all-gather:6", "broadcast:1", "all-gather:8", "broadcast:1"]
-    assert got[0]["issued"] == got[1]["issued"] == one * ITERATIONS
+    # partition k + 1 went out while k was on the wire; the gathers in the root's landing
+    # order (the pulls complete nearly at once: any order), and every worker issued the same
+    reduces = ["reduce-scatter:6", "reduce:1", "reduce-scatter:8", "reduce:1"]
+    gathers = [["all-gather:6", "broadcast:1"], ["all-gather:8"], ["broadcast:1"]]
+    assert got[0]["issued"] == got[1]["issued"]
+    for it in range(ITERATIONS):
+        issued = got[0]["issued"][8 * it : 8 * (it + 1)]
+        assert issued[:4] == reduces, issued
+        rest = issued[4:]  # each partition's gather collectives together, in its own order
+        assert sorted(rest) == sorted(sum(gathers, [])), issued
+        assert rest.index("all-gather:6") + 1 < len(rest) \
+            and rest[rest.index("all-gather:6") + 1] == "broadcast:1", issued
     assert got[0]["left"] == []  # the root returns from `share` once it has removed it
     assert os.listdir(folder) == []
 
