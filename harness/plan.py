@@ -9,7 +9,8 @@ they are issued (tensor names, elements, bytes, priority), MG-WFBP's merged grou
 (from the compute of `simulate.compute` and the all-reduce cost of a real `network`
 profile or of this network's microbenchmark; otherwise the one bucket it profiles
 with, saying so), and for parameter servers each partition's key and server with
-the bytes per server and busiest / mean. The model is built on the meta device (no
+the bytes per server and busiest / mean, and the worker's pipeline: a thread per stage
+and what it runs per partition (methods/ps/stages.py). The model is built on the meta device (no
 memory, no weights); only MG-WFBP's groups with `simulate.compute=measured` (the
 default) time the real model here, as the simulator does, for a few iterations, in one
 process (in one per worker only for a run of this machine's own: local or emulated on
@@ -29,6 +30,7 @@ from harness import config
 from harness.config import checks, paths, usage
 from harness.predict.plans import describe, mgwfbp_inputs, plan_of, render, tensors
 from harness.predict.profile import unlike_device
+from methods.ps.stage_table import stage_lines
 
 
 def main(argv: list[str]) -> int:
@@ -62,7 +64,7 @@ def main(argv: list[str]) -> int:
         print(f"ddlbench: error: {exc}", file=sys.stderr)
         return 2
     try:
-        print(render(data), flush=True)
+        print("\n".join([render(data), *_ps_stages(data)]), flush=True)
     except BrokenPipeError:  # `| head`: the reader has what it wanted
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes it at exit
     if out is not None:
@@ -70,6 +72,15 @@ def main(argv: list[str]) -> int:
         out.write_text(json.dumps(data, indent=1))
         print(f"plan -> {out}")
     return 0
+
+
+def _ps_stages(data: dict) -> list[str]:
+    """A PS method's pipeline with servers: which thread runs what, per partition."""
+    t, c = data["transport"], data["cluster"]
+    if t.get("name") != "ps" or not c["servers"]:
+        return []
+    per_node = c["workers_per_node"] if t.get("local_reduce", True) else 1
+    return ["", *stage_lines(t.get("node_reduce", "scatter"), per_node)]
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from methods.priority import Priority
 from methods.profile import BackwardProfiler
 from methods.ps import node as ps
 from methods.ps import order as ps_order
+from methods.ps import stages as ps_stages
 
 STUCK_S = 0.3  # long enough for a wrongly issued partition to show up
 
@@ -250,7 +251,7 @@ def _pipeline() -> ps._Pipeline:
 
 
 def _live_pipeline_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name in ("ps-poster", "ps-lander")]
+    return [t.name for t in threading.enumerate() if t.name.startswith("ps-")]
 
 
 def test_ps_pipeline_posts_header_before_data_per_server_and_stops(monkeypatch) -> None:
@@ -263,8 +264,8 @@ def test_ps_pipeline_posts_header_before_data_per_server_and_stops(monkeypatch) 
         tensor.add_(100.0)  # the server's answer
         return _Message(log, "recv", tensor, src, tag)
 
-    monkeypatch.setattr(ps.dist, "isend", isend)
-    monkeypatch.setattr(ps.dist, "irecv", irecv)
+    monkeypatch.setattr(ps_order.dist, "isend", isend)
+    monkeypatch.setattr(ps_order.dist, "irecv", irecv)
     flat = torch.arange(8, dtype=torch.float32)
     staging = ps.HostStaging(flat)
     pipeline = _pipeline()
@@ -290,7 +291,7 @@ def test_ps_pipeline_errors_surface_on_the_caller_naming_the_server(monkeypatch)
     def isend(tensor, *, dst, tag):
         raise RuntimeError("Connection closed by peer\nmore detail")
 
-    monkeypatch.setattr(ps.dist, "isend", isend)
+    monkeypatch.setattr(ps_order.dist, "isend", isend)
     staging = ps.HostStaging(torch.zeros(8))
     pipeline = _pipeline()
     jobs = [ps._Exchange(_parts(), staging=staging, ready=None, timeout_s=5) for _ in range(2)]
@@ -473,19 +474,22 @@ def test_the_next_forward_waits_for_its_layers_update_event(monkeypatch) -> None
 
 
 def test_ps_threads_start_on_their_jobs_device(monkeypatch) -> None:
-    monkeypatch.setattr(ps.dist, "isend", lambda tensor, *, dst, tag: _Message([], "s", tensor,
-                                                                              dst, tag))
-    monkeypatch.setattr(ps.dist, "irecv", lambda tensor, *, src, tag: _Message([], "r", tensor,
-                                                                              src, tag))
-    with _cuda_faked(monkeypatch, ps) as seen:
+    monkeypatch.setattr(ps_order.dist, "isend",
+                        lambda tensor, *, dst, tag: _Message([], "s", tensor, dst, tag))
+    monkeypatch.setattr(ps_order.dist, "irecv",
+                        lambda tensor, *, src, tag: _Message([], "r", tensor, src, tag))
+    with _cuda_faked(monkeypatch, ps_stages) as seen:
         staging = ps.HostStaging(torch.zeros(8))
         pipeline = _pipeline()
         job = ps._Exchange(_parts(), staging=staging, ready=None, timeout_s=5)
         pipeline.put(job)
         job.complete()
         pipeline.stop(5)
-    assert sorted(name for name, _, _ in seen["threads"]) == ["ps-lander", "ps-poster"]
+    names = sorted(name for name, _, _ in seen["threads"])
+    assert names == sorted(["ps-broadcast", "ps-copy-in", "ps-copy-out", "ps-push", "ps-reduce"]
+                           + [f"ps-pull-{i}" for i in range(ps.PULL_WAITERS)]), names
     assert {d for _, d, _ in seen["threads"]} == {torch.device("cpu")}
+    assert all(stream is not None for _, _, stream in seen["threads"])  # each on a stream
 
 
 def test_polls_sleep_at_most_tens_of_microseconds(monkeypatch) -> None:

@@ -86,12 +86,22 @@ def test_the_plan_viewer_prints_and_writes_the_plan(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert "busiest/mean = 1.43" in out.stdout
     assert "net.conv1.weight" in out.stdout  # tensor names, input side last
+    # the worker's pipeline: a thread per stage (nodes of one worker: the root path's)
+    assert "PS pipeline (root path, 1 worker(s) a node)" in out.stdout, out.stdout
+    assert [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ps-")] \
+        == ["ps-reduce", "ps-copy-out", "ps-push", "ps-pull", "ps-copy-in", "ps-broadcast"]
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["cluster"]["servers"] == 4 and len(data["units"]) == 161
     assert data["units"][-1]["priority"] == 0  # the input side goes first under priority
     one_node = run_module("harness.plan", "model=resnet50_small", "method=bsp_ps")
     assert "0 parameter server(s)" in one_node.stdout, one_node.stdout
     assert "all-reduced in the node" in one_node.stdout
+    assert "PS pipeline" not in one_node.stdout  # no servers: no pipeline
+    scatter = run_module("harness.plan", "model=bert_tiny", "method=bytescheduler_ps",
+                         "cluster.nodes=2", "cluster.workers_per_node=2")
+    assert "PS pipeline (scatter path, 2 worker(s) a node)" in scatter.stdout, scatter.stdout
+    assert "ps-gather     per partition, in landing order" in scatter.stdout
+    assert "root's landing order" in scatter.stdout  # the node's one order, said
 
 
 def test_plan_viewer_bad_input_is_one_line() -> None:

@@ -3,7 +3,7 @@
 A node's first worker (the root) pushes and pulls for all (`Node`). On the root path
 (`node_reduce: root`) the unit is reduced to the root before and broadcast inside the node
 after; the scatter path (the default, methods/ps/scatter.py) runs BytePS's stages per
-partition on these same threads with steps of its own. A node of one worker does neither.
+partition with steps of its own. A node of one worker does neither.
 
 Every collective of a node goes in one order on all its workers (methods/ps/order.py).
 
@@ -15,32 +15,41 @@ buffer, registered with CUDA while the plan is open. On CPU the flat buffer is i
 mirror and nothing is copied. Host threads wait for a copy by polling its event
 (`_finish`): an event's synchronize() would spin a core for as long as the copy runs.
 
-`_Pipeline` is one plan's threads: for each unit (`_Exchange`) put to it, a poster
-has it reduced inside the node, copies it to the host and posts its messages
-(protocol: methods/ps/wire.py); a lander waits for its pulls in order, copies each
-partition back and has it broadcast inside the node. Every thread starts with the
-first unit, on its device (methods/base.py `start_thread`). Neither the gradient hooks
-nor the compute stream wait for any of it; CPU and GPU workers take the same path.
-`_Exchange.wait` and `.complete` are the unit's handle (methods/base.py `Handle`);
-errors are raised there, naming the peer.
+`_Pipeline` is one plan's stage threads (methods/ps/stages.py), as BytePS's core loops; on
+the root path, for each unit (`_Exchange`) put to it:
+
+1. ps-reduce: the unit reduced to the root (a node of one worker: its gradients' event);
+2. ps-copy-out (root): the unit to the host mirror, on the way-out stream;
+3. ps-push (root): per server its control header, per partition (`_Piece`) the push and the
+   pull (protocol: methods/ps/wire.py), each partition handed on once its pull is posted;
+4. ps-pull (root): PULL_WAITERS threads wait for the pulls, each handed on as it completes,
+   whatever its order (Gloo's point-to-point handles tell completion only in `wait`);
+5. ps-copy-in (root): each partition back to the device as it lands, on the way-back stream;
+6. ps-broadcast: per unit, in unit order (the node's order), once all its partitions are
+   back, the root's broadcast inside the node; then the unit has landed.
+
+So a unit's reduce overlaps the copy of the one before, and a partition's copy back starts
+when its pull completes. Neither the gradient hooks nor the compute stream wait for any of
+it; CPU and GPU workers take the same path. `_Exchange.wait` and `.complete` are the
+unit's handle (methods/base.py `Handle`); errors are raised there, naming the peer.
 """
 
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
-from methods.base import happened, poll_until, record, side_stream, start_thread, wait_for
+from methods.base import happened, poll_until, record, side_stream, wait_for
 from methods.layout import Part
 from methods.ps import wire
 from methods.ps.order import BROADCAST, REDUCE, Node, NodeOrder
 from methods.ps.shared import pin, share, unpin
+from methods.ps.stage_table import PULL_WAITERS
+from methods.ps.stages import Stage
 from methods.ps.wire import (
     CTRL_TAG,
     HEADER,
@@ -153,27 +162,38 @@ class _Exchange:
     error the pipeline met, naming the peer.
     """
 
-    __slots__ = ("parts", "staging", "ready", "reduced", "landed", "works", "headers", "done",
-                 "error", "at", "timeout_s")
+    __slots__ = ("parts", "staging", "ready", "reduced", "landed", "done", "error", "at",
+                 "timeout_s", "left", "copied", "copied_event")
 
     def __init__(self, parts: list[Part], *, staging: HostStaging,
                  ready: torch.cuda.Event | None, timeout_s: float) -> None:
         self.parts, self.staging, self.ready = parts, staging, ready
         self.reduced: torch.cuda.Event | None = None  # the node's reduce has read the unit
         self.landed: torch.cuda.Event | None = None  # the result on the device
-        self.works: list[tuple[dist.Work, Part, bool]] = []  # (work, partition, is a pull)
-        self.headers: list[torch.Tensor] = []  # alive until sent
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.at = server_name(parts[0].server, parts[0].key)  # the peer waited on
         self.timeout_s = timeout_s
+        self.left = len(parts)  # partitions not back yet (one stage thread counts them)
+        self.copied = threading.Event()  # root path: every partition back (or failed)
+        self.copied_event: torch.cuda.Event | None = None
+
+    @property
+    def key(self) -> int:
+        return self.parts[0].key
 
     def chunk(self) -> torch.Tensor:
         return self.staging.flat[self.parts[0].start : self.parts[-1].end]
 
+    def back(self) -> bool:
+        """One more partition is back; whether it was the last."""
+        self.left -= 1
+        return self.left == 0
+
     def fail(self, exc: BaseException) -> None:
         self.error = exc
         self.done.set()
+        self.copied.set()
 
     def wait(self) -> None:
         self._landed()
@@ -194,128 +214,148 @@ class _Exchange:
             raise RuntimeError(str(self.error)) from self.error
 
 
-def _post(job: _Exchange, *, node: Node, order: NodeOrder | None, servers: list[int]) -> None:
-    """Reduce the unit to the root; there, once it is on the host: per server its control
-    header, then per partition the push and the pull (the server reads the header first,
-    then the data it announces)."""
-    with job.staging.side():
-        job.at = node.name
-        if order is None:  # a node of one worker: only the gradients to wait for
-            job.staging.order_after(job.ready)
-        else:
-            order.run(REDUCE, job.chunk(), after=job.ready, timeout_s=job.timeout_s)
-    job.reduced = job.staging.mark(back=False)
-    if not node.is_root:
-        return
+class _Piece:
+    """One partition of a unit on its way through the stages; `works` the root's messages
+    to wait for (handle, what must stay alive until it is sent)."""
+
+    __slots__ = ("job", "part", "works", "reduced", "copied")
+
+    def __init__(self, job: _Exchange, part: Part) -> None:
+        self.job, self.part = job, part
+        self.works: list[tuple[object, torch.Tensor | None]] = []
+        self.reduced: torch.cuda.Event | None = None  # scatter path: its reduce-scatter's end
+        self.copied: torch.cuda.Event | None = None  # its copy back to the device's end
+
+    @property
+    def key(self) -> int:
+        return self.part.key
+
+    @property
+    def staging(self) -> HostStaging:
+        return self.job.staging
+
+    def fail(self, exc: BaseException) -> None:
+        self.job.fail(exc)
+
+
+def _reduce(job: _Exchange, *, node: Node, order: NodeOrder | None,
+            then: Callable[[_Exchange], None]) -> None:
+    """Stage 1: the unit reduced to the root (a node of one: its gradients waited for)."""
+    job.at = node.name
+    if order is None:
+        wait_for(job.ready, job.staging.flat.device)
+    else:
+        order.run(REDUCE, job.chunk(), after=job.ready, key=job.key, timeout_s=job.timeout_s)
+    job.reduced = record(job.staging.flat.device)
+    if node.is_root:
+        then(job)
+    else:  # nothing to copy back: the broadcast may go once the reduce has read the unit
+        job.copied_event = job.reduced
+        job.copied.set()
+
+
+def _copy_out(job: _Exchange, *, then: Callable[[_Exchange], None]) -> None:
+    """Stage 2 (root): the unit on the host once this returns."""
+    wait_for(job.reduced, job.staging.flat.device)
     _finish(job.staging.to_host(job.parts[0].start, job.parts[-1].end),
             timeout_s=job.timeout_s, what="the copy to the host")
+    then(job)
+
+
+def _push(job: _Exchange, *, servers: list[int], then: Callable[[_Piece], None]) -> None:
+    """Stage 3 (root): per server its control header, then per partition the push and the
+    pull (the server reads the header first, then the data it announces)."""
     host = job.staging.host
     for server in servers:
         mine = [p for p in job.parts if p.server == server]
         for i in range(0, len(mine), HEADER - 3):
             batch = mine[i : i + HEADER - 3]
             msg = header(PUSH, [p.key for p in batch])
-            job.headers.append(msg)
             job.at = server_name(server, batch[0].key)
             with naming_server(server):
-                job.works.append((wire.isend(msg, server, tag=CTRL_TAG), batch[0], False))
-                for p in batch:
-                    data = host[p.start : p.end]
-                    job.works.append((wire.isend(data, server, tag=KEY_TAG + p.key), p,
-                                      False))
-                    job.works.append((wire.irecv(data, server, tag=KEY_TAG + p.key), p,
-                                      True))
+                sent = (wire.isend(msg, server, tag=CTRL_TAG), msg)
+            for p in batch:
+                piece, data = _Piece(job, p), host[p.start : p.end]
+                with naming_server(server, p.key):
+                    piece.works += [sent] if p is batch[0] else []
+                    piece.works += [(wire.isend(data, server, tag=KEY_TAG + p.key), None),
+                                    (wire.irecv(data, server, tag=KEY_TAG + p.key), None)]
+                then(piece)
 
 
-def _land(job: _Exchange, *, node: Node, order: NodeOrder | None) -> None:
-    """Wait for the unit's messages in posting order, copying each pull back as it lands;
-    then broadcast the result inside the node."""
-    with job.staging.side(back=True):  # nothing lands before the reduce has read the unit
-        job.staging.order_after(job.reduced)
-    for work, part, pull in job.works:
-        job.at = server_name(part.server, part.key)
-        with naming_server(part.server, part.key):
+def _pull(piece: _Piece, *, then: Callable[[_Piece], None]) -> None:
+    """Stage 4 (root, one of the waiters): the partition's messages, then hand it on."""
+    part = piece.part
+    piece.job.at = server_name(part.server, part.key)
+    with naming_server(part.server, part.key):
+        for work, _ in piece.works:
             work.wait()
-        if pull:
-            job.staging.to_device(part.start, part.end)
+    piece.works = []
+    then(piece)
+
+
+def _copy_in(piece: _Piece) -> None:
+    """Stage 5 (root): the partition back to the device; after the unit's last, its event.
+    (The reduce that read the unit has happened: the copy out waited for it.)"""
+    piece.staging.to_device(piece.part.start, piece.part.end)
+    job = piece.job
+    if job.back():
+        job.copied_event = record(job.staging.flat.device)
+        job.copied.set()
+
+
+def _broadcast(job: _Exchange, *, node: Node, order: NodeOrder | None) -> None:
+    """Stage 6, in unit order: once the unit is back, the root's broadcast in the node."""
+    if not job.copied.wait(job.timeout_s):
+        raise RuntimeError(f"{job.at} failed or did not answer: timed out after "
+                           f"{job.timeout_s:g} s")
+    if job.error is not None:
+        return
+    wait_for(job.copied_event, job.staging.flat.device)
     if order is not None:
-        with job.staging.side(back=True):
-            job.at = node.name
-            order.run(BROADCAST, job.chunk(), after=job.staging.mark(), timeout_s=job.timeout_s)
-    job.landed = job.staging.mark()
+        job.at = node.name
+        order.run(BROADCAST, job.chunk(), after=job.copied_event, key=job.key,
+                  timeout_s=job.timeout_s)
+    job.landed = record(job.staging.flat.device)
     job.done.set()
 
 
-class _Stage:
-    """A thread that runs `step` on each job put to it, in order, started with the first
-    job on that job's device. After its first error it fails every later job with that
-    error instead."""
-
-    def __init__(self, step: Callable[[_Exchange], None], *, name: str) -> None:
-        self.step, self.name = step, name
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
-
-    def put(self, job: _Exchange) -> None:
-        """Queue `job` (an `_Exchange`, or anything with its `staging` and `fail`)."""
-        with self.lock:
-            if self.thread is None:
-                self.thread = start_thread(self._run, name=self.name,
-                                           device=job.staging.flat.device)
-        self.jobs.put(job)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if self.error is None:
-                try:
-                    self.step(job)
-                    continue
-                except BaseException as exc:  # noqa: BLE001 - handed to the job's waiter
-                    self.error = exc
-            job.fail(self.error)
-
-    def stop(self, timeout_s: float) -> None:
-        """Finish every job put so far, then end the thread."""
-        with self.lock:
-            thread = self.thread
-        if thread is None:
-            return
-        self.jobs.put(None)
-        thread.join(timeout_s)
-        if thread.is_alive():
-            raise TimeoutError(f"the {self.name} thread did not finish within {timeout_s:g} s")
-
-
 class _Pipeline:
-    """One plan's threads: the poster has a unit reduced, posts it and hands it to the
-    lander, which waits for its messages in order and has it broadcast; with more than one
-    worker on the node, the node thread issues those collectives in the node's one order."""
+    """One plan's stage threads on the root path (module docstring); with more than one
+    worker on the node, the node thread issues the collectives in the node's one order.
+    `trace` (tests): every stage appends (thread, "start" | "end", key) as it runs."""
 
-    def __init__(self, servers: list[int], node: Node, *, post: Callable | None = None,
-                 land: Callable | None = None) -> None:
-        """`post` and `land` replace the root path's steps (methods/ps/scatter.py)."""
+    def __init__(self, servers: list[int], node: Node, *, trace: list | None = None) -> None:
+        self.node, self.servers, self.trace = node, servers, trace
         self.order = NodeOrder(node) if node.size > 1 else None
-        self.lander = _Stage(functools.partial(land or _land, node=node, order=self.order),
-                             name="ps-lander")
-        self.poster = _Stage(functools.partial(post or _post_and_hand, node=node,
-                                               order=self.order, servers=servers,
-                                               lander=self.lander),
-                             name="ps-poster")
+        self.stages = self._stages()
+
+    def _stage(self, step: Callable, name: str, role: str, threads: int = 1) -> Stage:
+        return Stage(step, name=name, role=role, threads=threads, trace=self.trace)
+
+    def _stages(self) -> list[Stage]:
+        """The stages, in a unit's order through them; the first takes `put`'s units."""
+        self.broadcast = self._stage(functools.partial(_broadcast, node=self.node,
+                                                       order=self.order),
+                                     "ps-broadcast", "ps-gather")
+        copy_in = self._stage(_copy_in, "ps-copy-in", "ps-back")
+        pull = self._stage(functools.partial(_pull, then=copy_in.put), "ps-pull", "ps-pull",
+                           PULL_WAITERS)
+        push = self._stage(functools.partial(_push, servers=self.servers, then=pull.put),
+                           "ps-push", "ps-push")
+        copy_out = self._stage(functools.partial(_copy_out, then=push.put), "ps-copy-out",
+                               "ps-out")
+        reduce = self._stage(functools.partial(_reduce, node=self.node, order=self.order,
+                                               then=copy_out.put), "ps-reduce", "ps-reduce")
+        return [reduce, copy_out, push, pull, copy_in, self.broadcast]
 
     def put(self, job: _Exchange) -> None:
-        self.poster.put(job)
+        self.stages[0].put(job)
+        self.broadcast.put(job)  # in unit order: it waits there until the unit is back
 
     def stop(self, timeout_s: float) -> None:
-        """Post and land everything queued (nothing is left behind), then end the threads."""
-        self.poster.stop(timeout_s)
-        self.lander.stop(timeout_s)
+        """Let everything queued through (nothing is left behind), then end the threads."""
+        for stage in self.stages:
+            stage.stop(timeout_s)
         if self.order is not None:
             self.order.stop(timeout_s)
-
-
-def _post_and_hand(job: _Exchange, *, node: Node, order: NodeOrder | None, servers: list[int],
-                   lander: _Stage) -> None:
-    _post(job, node=node, order=order, servers=servers)
-    lander.put(job)

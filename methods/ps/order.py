@@ -1,23 +1,26 @@
 """A node for local aggregation (BytePS) and the one order of its collectives.
 
-One order for the node's collectives. Each worker's poster reduces (or reduce-scatters)
-partitions and its lander broadcasts (or all-gathers) them, on two groups (one NCCL
-communicator each on GPUs), and the root's broadcast of a unit waits for its pulls,
-while the other workers could broadcast at once: left to timing, the reduces and
-broadcasts would be queued in different orders on different workers, and where the
-communicators' kernels cannot run side by side (CUDA_DEVICE_MAX_CONNECTIONS=1, MPS, a
-busy device) each worker's next kernel waits for one its peers queued behind another: a
-deadlock. So on every worker one thread, the node thread (`NodeOrder`), issues all of
-the node's collectives, and they go in the order the root's poster and lander ask for
-them: the root's node thread announces each one's kind (methods/order.py) before issuing
-it, and the others' issue exactly that sequence, each once their own poster or lander
-asks for it. Every collective of a node, on any of its groups, follows this one order:
-the kinds are the root path's REDUCE and BROADCAST and the scatter path's REDUCE_SCATTER
-and ALL_GATHER (methods/ps/scatter.py; its leftover takes REDUCE and BROADCAST). A
-poster asks only for REDUCE and REDUCE_SCATTER, a lander only for BROADCAST and
-ALL_GATHER, each in partition order, and the units go in the same order on every worker
-(the transport is `ordered`): so the next ask of an announced kind is the collective the
-root meant.
+One order for the node's collectives. Each worker's stages (methods/ps/stages.py) reduce
+(or reduce-scatter) partitions in the ps-reduce thread and broadcast (or all-gather) them
+in the ps-gather / ps-broadcast thread, on two groups (one NCCL communicator each on
+GPUs), and the root's broadcast of a partition waits for its pull, while the other
+workers could broadcast at once: left to timing, the collectives would be queued in
+different orders on different workers, and where the communicators' kernels cannot run
+side by side (CUDA_DEVICE_MAX_CONNECTIONS=1, MPS, a busy device) each worker's next kernel
+waits for one its peers queued behind another: a deadlock. So on every worker one thread,
+the node thread (`NodeOrder`), issues all of the node's collectives, and they go in the
+order the root's stages ask for them: the root's node thread announces each one's kind
+and key (methods/order.py; `code`) before issuing it, and the others' issue exactly that
+sequence, each once their own stage asks for that kind of that key. The kinds are the
+root path's REDUCE and BROADCAST and the scatter path's REDUCE_SCATTER and ALL_GATHER
+(methods/ps/scatter.py; its leftover takes REDUCE and BROADCAST).
+
+Who owns the order: the root's ps-reduce thread (partitions in order, on every worker
+alike) and the root's landing order (its pulls complete in any order; the root's
+ps-copy-in tells the others each landing, in that order, and every worker's gather stage
+asks in it). Each stage asks from one thread in the order the root's does, so the next
+ask of an announced kind and key on a worker is the one the root meant, and no stage
+waits on a collective another stage of its worker has yet to ask for.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from methods.ps.wire import naming
 # the node's collectives, as the root announces them
 REDUCE, BROADCAST, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2, 3
 KINDS = 4
+
+
+def code(kind: int, key: int = -1) -> int:
+    """What the root announces for a collective: its kind and the key it is for (-1: any)."""
+    return kind + KINDS * (key + 1)
 
 
 class Node:
@@ -91,13 +99,14 @@ class Node:
 
 
 class _Ask:
-    """A poster's or lander's request to the node thread: one collective on `chunk`, queued
+    """A stage's request to the node thread: one collective on `chunk`, queued
     after `after` (an event; None on CPU)."""
 
-    __slots__ = ("kind", "chunk", "after", "work", "error", "issued")
+    __slots__ = ("kind", "code", "chunk", "after", "work", "error", "issued")
 
-    def __init__(self, kind: int, chunk: torch.Tensor, after: torch.cuda.Event | None) -> None:
-        self.kind, self.chunk, self.after = kind, chunk, after
+    def __init__(self, kind: int, key: int, chunk: torch.Tensor,
+                 after: torch.cuda.Event | None) -> None:
+        self.kind, self.code, self.chunk, self.after = kind, code(kind, key), chunk, after
         self.work: dist.Work | None = None
         self.error: BaseException | None = None
         self.issued = threading.Event()
@@ -108,23 +117,23 @@ class _Ask:
 
 
 class NodeOrder:
-    """The node thread: issues every collective of the node, in the order the root's poster
-    and lander ask for them, on every worker of the node (module docstring)."""
+    """The node thread: issues every collective of the node, in the order the root's stages
+    ask for them, on every worker of the node (module docstring)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.order = (OrderLeader if node.is_root else OrderFollower)(node.reduce_group)
         self.asks: queue.SimpleQueue = queue.SimpleQueue()  # in the order asked
-        self.waiting: list[list[_Ask]] = [[] for _ in range(KINDS)]  # others: asked, by kind
+        self.waiting: dict[int, list[_Ask]] = {}  # others: asked, by code (kind and key)
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     def run(self, kind: int, chunk: torch.Tensor, *, after: torch.cuda.Event | None,
-            timeout_s: float) -> None:
-        """Have the collective issued in the node's order, then make the caller's current
-        stream wait for it (CPU: return once it is done)."""
-        ask = _Ask(kind, chunk, after)
+            timeout_s: float, key: int = -1) -> None:
+        """Have the collective of `kind` for `key` issued in the node's order, then make the
+        caller's current stream wait for it (CPU: return once it is done)."""
+        ask = _Ask(kind, key, chunk, after)
         with self.lock:
             if self.error is not None:
                 raise self.error
@@ -156,28 +165,33 @@ class NodeOrder:
                         break
                     if ask is not None:
                         ask.fail(exc)
-                for ask in (a for asks in self.waiting for a in asks):
+                for ask in (a for asks in self.waiting.values() for a in asks):
                     ask.fail(exc)
 
     def _next(self) -> _Ask | None:
-        """The root: the next ask, announced. The others: the announced kind's next ask."""
+        """The root: the next ask, announced. The others: the next ask of the announced
+        kind and key."""
         if self.node.is_root:
             ask = self.asks.get()
             if ask is None:
                 self.order.close()
                 return None
             with naming(self.node.name):
-                self.order.announce([ask.kind])
+                self.order.announce([ask.code])
             return ask
         with naming(f"the root of {self.node.name}"):
             announced = self.order.next()
         if announced is None:
             return None
-        kind = announced[0]
-        while not self.waiting[kind]:
+        meant = announced[0]
+        while not self.waiting.get(meant):
             ask = self.asks.get()
-            self.waiting[ask.kind].append(ask)
-        return self.waiting[kind].pop(0)
+            self.waiting.setdefault(ask.code, []).append(ask)
+        asks = self.waiting[meant]
+        ask = asks.pop(0)
+        if not asks:
+            del self.waiting[meant]
+        return ask
 
     def stop(self, timeout_s: float) -> None:
         """After the last ask: the root tells the others; every node thread ends."""
