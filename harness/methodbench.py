@@ -6,6 +6,8 @@
     python -m harness.methodbench --simulate           # the simulator's wall time instead
     python -m harness.methodbench --nodes 2 --workers 2 --methods bsp_ps,wfbp_ps \\
         --node-reduce scatter,root                     # PS with servers, both node paths
+    python -m harness.methodbench --nodes 2 --workers 1 --methods bsp_ps,wfbp_ps \\
+        --wires gloo,ucx --network eth10g              # both PS wires, emulated 10 Gb/s
 
 Runs every method of conf/method/ on each model at each worker count through
 the normal `harness.run` path (one parquet shard per run), each all-reduce method
@@ -26,6 +28,8 @@ prints:
   and `--node-reduce scatter,root`: each PS method also on the node path through the
   root (its `@root` twin, method.transport.node_reduce=root), each twin over bsp_ps@root,
   and each PS method over its twin (BytePS's scatter path over the root path);
+- with `--wires gloo,ucx` (and `--nodes` above 1): each PS method also with its messages
+  over UCX (its `@ucx` twin, cluster.ps_wire=ucx), and each twin over the method on Gloo;
 - at 1 worker: every all-reduce method over the plain loop (the harness's overhead);
 - with `--unmetered`: each method without its host meter over itself with it (what
   timing `method_host_s` costs; run.method_host=false, its `@unmetered` twin).
@@ -60,33 +64,21 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from harness import config
 from harness import run as harness_run
 from harness.config import checks, paths, usage
-from harness.config.schema import ENGINES
+from harness.config.schema import ENGINES, PS_WIRES
 from harness.launch import failure
 from harness.launch.launcher import Terminated, launch, signals_raise
 from harness.launch.rank import new_run_id
 from harness.measure import progress, results
+from harness.measure.benchratios import ROOT, TWIN, TWINS, UCX, UNMETERED, report
 from harness.predict import selfcheck
 from methods.layout import NODE_REDUCES
 
-ALLREDUCE = ("bsp_a2a", "wfbp_a2a", "mgwfbp", "bytescheduler_a2a", "ddp")
-TWIN = "@horovod"  # a method's name in the run list: that method on engine=horovod
-ROOT = "@root"  # a PS method on the node path through the root (node_reduce=root)
-UNMETERED = "@unmetered"  # a method without its host meter (run.method_host=false)
-TWINS = {TWIN: ["engine=horovod"], ROOT: ["method.transport.node_reduce=root"],
-         UNMETERED: ["run.method_host=false"]}
 # the simulator's sweeps timed by --simulate, with their targets in seconds (issue 25)
 SIMULATIONS = {"paper": (["experiment=paper", "network=ib100_rdma"], 2.0),
                **{w: ([f"experiment={w}"], 30.0) for w in ("whatif", "whatif_study")}}
-PS = ("bsp_ps", "wfbp_ps", "bytescheduler_ps", "priority_ps")  # PAIRS: what each buys
-PAIRS = (*((m, "bsp_ps") for m in PS[1:]), ("bytescheduler_a2a", "wfbp_a2a"),
-         *((m + ROOT, "bsp_ps" + ROOT) for m in PS[1:]), *((m, m + ROOT) for m in PS))
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit 2, as every command
         raise config.ConfigError(f"{message}; see python -m harness.methodbench --help")
@@ -103,6 +95,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--node-reduce", default="scatter",
                         help="the PS node paths measured with --nodes above 1: scatter "
                              "(BytePS's, the default) and/or root (each PS method's @root twin)")
+    parser.add_argument("--wires", default="gloo",
+                        help="the PS wires measured with --nodes above 1: gloo and/or ucx "
+                             "(each PS method's @ucx twin, cluster.ps_wire=ucx)")
+    parser.add_argument("--network", default="loopback",
+                        help="the network of every run: loopback, or a rate-limited one of "
+                             "conf/network/ (eth1g, eth10g, ...: emulated nodes, cluster=emulated)")
     parser.add_argument("--unmetered", action="store_true",
                         help="also run each method natively without its host meter "
                              "(<method>@unmetered): what timing method_host_s costs")
@@ -142,6 +140,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
     method_names = _names("--methods", args.methods, config.choices("method"))
     engines = _names("--engines", args.engines, list(ENGINES))
     node_reduces = _names("--node-reduce", args.node_reduce, list(NODE_REDUCES))
+    wires = _names("--wires", args.wires, list(PS_WIRES))
+    _names("--network", args.network, config.choices("network"))
     counts = args.workers.split(",")
     if not all(c.isdigit() and int(c) > 0 for c in counts):
         raise config.ConfigError(f"--workers {args.workers} is invalid; give worker counts > 0, "
@@ -152,7 +152,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
             raise config.ConfigError(f"{flag} {value} is invalid; it must be >= {low}")
     paths.output_dir("--results-dir", args.results_dir)
     runs = run_list(method_names, engines=engines, counts=[int(c) for c in counts],
-                    roots="root" in node_reduces and args.nodes > 1, unmetered=args.unmetered)
+                    roots="root" in node_reduces and args.nodes > 1, unmetered=args.unmetered,
+                    ucx="ucx" in wires and args.nodes > 1)
     if not any(runs.values()):
         raise config.ConfigError(
             f"--methods {args.methods} with --engines {args.engines} selects no run: engine "
@@ -161,7 +162,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
             "an all-reduce method")
     try:
         config.load_all([[f"model={m}", *_method_overrides(x), f"cluster.workers_per_node={w}",
-                          f"cluster.nodes={args.nodes}",
+                          f"cluster.nodes={args.nodes}", *_network(args),
                           *_run_overrides(args, Path(args.results_dir))]
                          for m in model_names for w, names in runs.items() for x in names])
     except config.ConfigError as exc:
@@ -172,15 +173,17 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[int, list[str]
 
 
 def run_list(method_names: list[str], *, engines: list[str], counts: list[int],
-             roots: bool = False, unmetered: bool = False) -> dict[int, list[str]]:
+             roots: bool = False, unmetered: bool = False,
+             ucx: bool = False) -> dict[int, list[str]]:
     """The names run at each worker count: every method natively, the Horovod twin of
     each all-reduce method above 1 worker (where an all-reduce has something to move),
-    with `roots` the root-path twin of each PS method, and with `unmetered` each method
-    natively without its host meter."""
+    with `roots` the root-path twin of each PS method, with `ucx` its UCX-wire twin, and
+    with `unmetered` each method natively without its host meter."""
     allreduce = checks.methods_on("allreduce")  # reads conf/method/: once
     twins = [m + TWIN for m in method_names if m in allreduce]
-    ps = checks.methods_on("ps") if roots else []
-    roots_of = [m + ROOT for m in method_names if m in ps]
+    ps = checks.methods_on("ps") if roots or ucx else []
+    roots_of = [m + ROOT for m in method_names if m in ps] if roots else []
+    roots_of += [m + UCX for m in method_names if m in ps] if ucx else []
     native = [m for m in method_names if "native" in engines]
     bare = [m + UNMETERED for m in native] if unmetered else []
     return {n: native + (twins if "horovod" in engines and n > 1 else []) + roots_of + bare
@@ -191,6 +194,11 @@ def _method_overrides(name: str) -> list[str]:
     """The overrides of a run-list name: the method, and its twin's."""
     method, at, twin = name.partition("@")
     return [f"method={method}", *(TWINS[at + twin] if at else [])]
+
+
+def _network(args: argparse.Namespace) -> list[str]:
+    """A method run's network: loopback, or emulated nodes behind a rate-limited link."""
+    return [] if args.network == "loopback" else ["cluster=emulated", f"network={args.network}"]
 
 
 def _run_overrides(args: argparse.Namespace, out: Path) -> list[str]:
@@ -204,7 +212,8 @@ def overrides(model_name: str, name: str, workers: int, *, out: Path,
               args: argparse.Namespace) -> list[str]:
     """The overrides of one configuration: a run-list name at `workers` per node, or
     "plain" (the plain loop: the model and the run's settings)."""
-    shape = [f"cluster.workers_per_node={workers}", f"cluster.nodes={args.nodes}"]
+    shape = [f"cluster.workers_per_node={workers}", f"cluster.nodes={args.nodes}",
+             *_network(args)]
     return [f"model={model_name}", *([] if name == "plain" else _method_overrides(name) + shape),
             *_run_overrides(args, out)]
 
@@ -227,81 +236,6 @@ def run_one(model_name: str, name: str, workers: int, *, out: Path,
                        error=f"methodbench was stopped by {harness_run.STOPPED[code]} as "
                              "this run started or ended")
         return code
-
-
-def _twin(config_json: object) -> str:
-    """The twin suffix of a row's run-list name, from its configuration ("" for none)."""
-    if not isinstance(config_json, str):
-        return ""
-    cfg = json.loads(config_json)
-    root = cfg["method"]["transport"].get("node_reduce") == "root"
-    unmetered = cfg.get("run", {}).get("method_host") is False
-    return (ROOT if root else "") + (UNMETERED if unmetered else "")
-
-
-def _run_names(frame: pd.DataFrame) -> pd.Series:
-    """Each row's run-list name: its method, with ROOT for a PS run on the root path and
-    UNMETERED for one without its host meter."""
-    if "config_json" not in frame:
-        return frame.method
-    return frame.method + frame.config_json.map(_twin)
-
-
-def ratios(frame: pd.DataFrame, *, workers: list[int]) -> dict[str, dict[str, float]]:
-    """The targets' ratios per model within one round's runs (rows as `results.load` gives
-    them: every row names its engine)."""
-    ok = frame[frame.status == "ok"].assign(method=_run_names)
-    tput = ok.groupby(["model", "method", "engine", "world_size"]).throughput.max().to_dict()
-    top = max(workers)
-    out = {}
-    for model_name in sorted(ok.model.unique()):
-        def get(method: str, n: int, model_name: str = model_name,
-                engine: str = "native") -> float | None:
-            return tput.get((model_name, method, engine, n))
-
-        r = {}
-        fast = max((t for t in (get("wfbp_a2a", top), get("mgwfbp", top)) if t), default=None)
-        if fast and get("ddp", top):
-            r[f"best(wfbp_a2a,mgwfbp)/ddp@{top}w"] = fast / get("ddp", top)
-        pairs = [*PAIRS, *((m + UNMETERED, m) for m in ok.method.unique()
-                           if not m.endswith(UNMETERED))]
-        for method, base in pairs:
-            if get(method, top) and get(base, top):
-                r[f"{method}/{base}@{top}w"] = get(method, top) / get(base, top)
-        for method in ALLREDUCE:
-            if get("plain", 1) and get(method, 1):
-                r[f"{method}/plain@1w"] = get(method, 1) / get("plain", 1)
-            if get(method, top) and get(method, top, engine="horovod"):
-                r[f"{method} native/horovod@{top}w"] = (get(method, top)
-                                                        / get(method, top, engine="horovod"))
-        out[model_name] = r
-    return out
-
-
-def report(rounds: list[pd.DataFrame], *, workers: list[int]) -> dict[str, dict[str, dict]]:
-    """Print throughput per configuration and each ratio's median over the rounds (each
-    round's ratio pairs runs made minutes apart, so the drift of a shared machine cancels);
-    return {model: {ratio: {"median", "min", "max", "rounds"}}}."""
-    frame = pd.concat(rounds)
-    ok = frame[frame.status == "ok"].assign(method=_run_names).groupby(
-        ["model", "world_size", "method", "engine"])
-    summary = ok.throughput.agg(["median", "min", "max", "count"])
-    if "method_host_s" in frame:  # the method's own host time and its waits, per iteration
-        summary["host_ms"] = ok.method_host_s.median() * 1e3
-        summary["wait_ms"] = ok.method_wait_s.median() * 1e3
-    print(summary.round(2).to_string())
-    per_round = [ratios(f, workers=workers) for f in rounds]
-    table: dict[str, dict[str, dict]] = {}
-    for model_name in sorted({m for r in per_round for m in r}):
-        names = dict.fromkeys(n for r in per_round for n in r.get(model_name, {}))
-        for name in names:
-            values = [r[model_name][name] for r in per_round if name in r.get(model_name, {})]
-            table.setdefault(model_name, {})[name] = {
-                "median": statistics.median(values), "min": min(values), "max": max(values),
-                "rounds": values}
-            print(f"{model_name:16s} {name:36s} median {statistics.median(values):.3f}  "
-                  f"(rounds: {', '.join(f'{v:.3f}' for v in values)})")
-    return table
 
 
 def simulations(args: argparse.Namespace, out: Path) -> dict[str, tuple[list[str], float]]:

@@ -49,6 +49,9 @@ def test_methodbench_adds_horovod_twins_above_one_worker() -> None:
     # with emulated nodes, each PS method's twin on the node path through the root
     assert run_list(["bsp_ps", "ddp", "wfbp_ps"], engines=["native"], counts=[2],
                     roots=True) == {2: ["bsp_ps", "ddp", "wfbp_ps", "bsp_ps@root", "wfbp_ps@root"]}
+    # and with both PS wires, each PS method's twin on the UCX wire
+    assert run_list(["bsp_ps", "ddp"], engines=["native"], counts=[1],
+                    ucx=True) == {1: ["bsp_ps", "ddp", "bsp_ps@ucx"]}
 
 
 def _one_line_error(out, tmp_path: Path) -> str:

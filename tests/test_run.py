@@ -180,7 +180,7 @@ def test_methodbench_times_the_plain_loop_and_a_method_and_writes_ratios(results
 
 
 def test_methodbench_ratios_pair_each_optimization_with_its_plain_twin() -> None:
-    from harness.methodbench import ratios
+    from harness.measure.benchratios import ratios
 
     rows = [("bsp_ps", 2, 10.0), ("wfbp_ps", 2, 12.0), ("bytescheduler_ps", 2, 11.0),
             ("wfbp_a2a", 2, 20.0), ("bytescheduler_a2a", 2, 15.0), ("wfbp_a2a", 1, 9.0),
@@ -207,3 +207,10 @@ def test_methodbench_ratios_pair_each_optimization_with_its_plain_twin() -> None
                                                       "run": {"method_host": on}})}
                           for on, t in ((True, 10.0), (False, 10.5))])
     assert ratios(frame, workers=[2])["m"] == pytest.approx({"mgwfbp@unmetered/mgwfbp@2w": 1.05})
+    # a PS run on the UCX wire (its config says so) is the method's ucx twin
+    frame = pd.DataFrame([{"model": "m", "method": "wfbp_ps", "engine": "native",
+                           "world_size": 2, "throughput": t, "status": "ok",
+                           "config_json": json.dumps({"method": {"transport": {}},
+                                                      "cluster": {"ps_wire": wire}})}
+                          for wire, t in (("gloo", 10.0), ("ucx", 9.0))])
+    assert ratios(frame, workers=[2])["m"] == pytest.approx({"wfbp_ps@ucx/wfbp_ps@2w": 0.9})

@@ -43,11 +43,16 @@ from methods.ps.node import _Exchange, _finish, _Piece, _Pipeline, _pull
 from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node, NodeOrder
 from methods.ps.stage_table import PULL_WAITERS
 from methods.ps.stages import Stage
-from methods.ps.wire import CTRL_TAG, KEY_TAG, PUSH, header, naming, naming_server, server_name
-
-# root -> the node's other workers: "the pull of this key has landed" (the key, one int64),
-# in the root's landing order; a tag of its own, below KEY_TAG (methods/ps/wire.py's tags)
-LANDED_TAG = 4
+from methods.ps.wire import (
+    CTRL_TAG,
+    KEY_TAG,
+    LANDED_TAG,
+    PUSH,
+    header,
+    naming,
+    naming_server,
+    server_name,
+)
 
 
 def split(part: Part, node: Node) -> tuple[int, int, int]:

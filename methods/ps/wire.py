@@ -14,7 +14,8 @@ Messages are matched by (peer, tag), never by arrival order:
   and its root: "my slice of the partition is in the shared buffer" (worker -> root) and
   "the pulled sum is there" (root -> worker), one int64 each; tag SHM_TAG: the name of the
   node's shared buffer (root -> worker) and "mapped" (worker -> root),
-  methods/ps/shared.py.
+  methods/ps/shared.py; tag LANDED_TAG: the key of each partition as its pull lands at the
+  root (root -> worker, in the root's landing order, one int64 each).
 
 A header is HEADER int64 words: [op, count, dtype, values...], `dtype` an index into
 DTYPES. OPEN's values are [keys, node size, server_schedule, engine_threads]; PUSH's are
@@ -37,7 +38,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-CTRL_TAG, LAYOUT_TAG, SHM_TAG, KEY_TAG = 1, 2, 3, 16
+CTRL_TAG, LAYOUT_TAG, SHM_TAG, LANDED_TAG, KEY_TAG = 1, 2, 3, 4, 16
 OPEN, PUSH, CLOSE, STOP = 1, 2, 3, 4
 HEADER = 64  # int64 words: [op, count, dtype, values...]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
