@@ -84,7 +84,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
                 nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair)))
         rows.append(("allreduce", "all", nbytes, time_allreduce(
             ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
-    if ctx.num_servers:  # a PS method: its round trip through the real server (psbench.py)
+    if ctx.num_servers:  # a PS method: round trip and flight through the real server (psbench)
         rows += psbench.round_trips(ctx, sizes(cfg), repeats=cfg.microbench.repeats,
                                     per_node=cfg.cluster.workers_per_node)
     if ctx.rank == 0:
@@ -92,7 +92,9 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
                              network=cfg.network.name, world_size=ctx.num_workers,
                              nodes=cfg.cluster.nodes,  # the shape its all-reduce ran on
-                             workers_per_node=cfg.cluster.workers_per_node)
+                             workers_per_node=cfg.cluster.workers_per_node,
+                             # the wire of the PS rows (cluster.ps_wire, where the schema has it)
+                             ps_wire=str(cfg.cluster.get("ps_wire", "gloo")))
         path = Path(cfg.results_dir) / FOLDER / f"{ctx.run_id}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(path)
