@@ -341,6 +341,11 @@ ROWS = [
     ("harness.methodbench", ["--selfcheck", "run.warmup_iters=3"], ["run.warmup_iters>=5"]),
     ("harness.methodbench", ["--selfcheck", "--predict", "{tmp}"],
      ["--predict {tmp} holds no microbenchmark"]),
+    # a real network's PS wire (issue 40 item 6)
+    ("harness.simulate", [*STUDY, "network.ps_wire=gloo"],
+     ["network.ps_wire='gloo' is invalid", "rdma, tcp"]),
+    ("harness.simulate", ["network=eth1g", "+network.ps_wire=tcp"],
+     ["network.ps_wire='tcp' is invalid", "cluster.ps_wire"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"
