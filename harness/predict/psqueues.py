@@ -50,6 +50,7 @@ PATHS = {
                      (("copy_in", ("copy_in",)), ("all_gather", ("all_gather",))), False),
 }
 DEFAULT_PATH = "inorder"  # what methods/ps/node.py runs today
+NOTHING = Cost(0.0, 0.0)
 
 
 def path_of(cfg: Config) -> NodePath:
@@ -144,7 +145,7 @@ class ParameterServers:
         per_all, per_tail, lead = sums.factors
         wire = senders * inter.beta
         handling = _handling(net, (nodes, per_node), senders)
-        stream = _stream(net, (nodes, per_node), senders)
+        stream = _stream(net, (nodes, per_node), senders, handling)
         self.stages = self._stages(intra, nccl, copy, bus_share and not whole)
         first_server = 2 + ways
         # per unit, per partition: (its seconds in each thread of the path, out and back:
@@ -292,21 +293,23 @@ def _handling(net: Network, shape: tuple[int, int], senders: int) -> Cost:
                 max(0.0, rt.beta - 2 * senders * net.inter.beta))
 
 
-def _stream(net: Network, shape: tuple[int, int], senders: int) -> Cost:
+def _stream(net: Network, shape: tuple[int, int], senders: int, handling: Cost = NOTHING
+            ) -> Cost:
     """A partition's seconds on its server's in-order stream from one node: psbench's
     flight on this shape and wire (K partitions of one unit in flight took K times the
     fit), less what the model's own queues give that flight, so that the model repeats
     the measurement: its pushes start a stream's seconds apart and the last ends one
     round trip (both messages' alpha, `senders` pushes and answers over the server's
-    link) after its start, so K f(s) = (K - 1) x(s) + the round trip. Nothing unmeasured."""
+    link, the server's `handling`) after its start, so K f(s) = (K - 1) x(s) + the round
+    trip. Nothing unmeasured."""
     measured = dict(net.ps_flight).get(shape)
     if measured is None:
         return Cost(0.0, 0.0)
     fit, k = measured
     if k < 2:
         return Cost(0.0, 0.0)
-    alpha = (k * fit.alpha - 2 * net.inter.alpha) / (k - 1)
-    beta = (k * fit.beta - 2 * senders * net.inter.beta) / (k - 1)
+    alpha = (k * fit.alpha - 2 * net.inter.alpha - handling.alpha) / (k - 1)
+    beta = (k * fit.beta - 2 * senders * net.inter.beta - handling.beta) / (k - 1)
     return Cost(max(0.0, alpha), max(0.0, beta)) if math.isfinite(alpha + beta) else \
         Cost(0.0, 0.0)
 
