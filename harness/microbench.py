@@ -20,12 +20,14 @@ single node, the link between its first two workers, the only one there is.
 `p2p_intra`, measured apart where several nodes have several workers each, is the link
 inside a node (ranks 0 and 1). With a PS `method=` (servers exist from 2 nodes on), `ps`
 is a push/pull round trip per size through the real parameter server, every node's root
-pushing (harness/measure/psbench.py). `wire` is the `p2p` link over the PS wire
-(`cluster.ps_wire`: gloo or ucx) with host tensors, as pushes and pulls travel: run it
-once with each wire to compare their alpha and beta; the rows' `ps_wire` and
-`ps_wire_transports` say which wire, and which transports UCX picked. Each row names
-the cluster's `nodes` and `workers_per_node`: the simulator takes the all-reduce and the
-PS round trip of the shape it predicts from there (harness/predict/links.py).
+pushing, and `ps_flight` 16 partitions of one unit in flight, posted and landed as a PS
+method's node does, a partition's share (harness/measure/psbench.py). `wire` is the `p2p`
+link over the PS wire (`cluster.ps_wire`: gloo or ucx) with host tensors, as pushes and
+pulls travel: run it once with each wire to compare their alpha and beta; the rows'
+`ps_wire` and `ps_wire_transports` say which wire, and which transports UCX picked. Each
+row names the cluster's `nodes` and `workers_per_node`: the simulator takes the all-reduce
+and the PS round trip and flight of the shape (and wire) it predicts from there
+(harness/predict/links.py).
 """
 
 from __future__ import annotations

@@ -347,6 +347,11 @@ ROWS = [
     ("harness.check", ["cluster.ps_wire=tcp"], ["cluster.ps_wire='tcp' is invalid"]),
     ("harness.submit", ["method=bsp_ps", "cluster.ps_wire=UCX", "dry_run=true"],
      ["cluster.ps_wire='UCX' is invalid"]),
+    # a real network's PS wire (issue 40 item 6)
+    ("harness.simulate", [*STUDY, "network.ps_wire=gloo"],
+     ["network.ps_wire='gloo' is invalid", "rdma, tcp"]),
+    ("harness.simulate", ["network=eth1g", "+network.ps_wire=tcp"],
+     ["network.ps_wire='tcp' is invalid", "cluster.ps_wire"]),
 ]
 ABOUT = {"traced_us": [0, 10], "source": "simulated", "model": "m", "method": "x",
          "network": "n", "local_batch_size": 1}  # a trace's "ddlbench" key, less "workers"

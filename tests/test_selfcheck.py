@@ -15,7 +15,7 @@ import pytest
 from harness import config
 from harness.config import checks
 from harness.measure import results, traces
-from harness.predict import network, selfcheck
+from harness.predict import network, psqueues, selfcheck
 from methods.costmodel import Cost
 from tests.conftest import run_module
 
@@ -111,11 +111,12 @@ def test_what_was_timed_on_the_shape_predicted_is_its_cost(tmp_path: Path) -> No
     assert network.allreduce_s(net, mb, nodes=2, per_node=1) == pytest.approx(ring)
     # a PS round trip through the real server: the server's handling is what the two
     # messages over the link (2 pushes in, 2 answers out) leave of it; unmeasured, nothing
-    handling = network._handling(net, (2, 2), senders=2)
+    handling = psqueues._handling(net, (2, 2), senders=2)
     assert (handling.alpha, handling.beta) == pytest.approx((5e-3 - 2e-3, 4e-8 - 4 * 8e-9))
-    assert network._handling(net, (2, 1), senders=2) == Cost(0.0, 0.0)
-    served = network.ParameterServers(net, [[(mb, 0)]], 2, 2, 1, True)
-    bare = network.ParameterServers(dataclasses.replace(net, ps=()), [[(mb, 0)]], 2, 2, 1, True)
+    assert psqueues._handling(net, (2, 1), senders=2) == Cost(0.0, 0.0)
+    served = psqueues.ParameterServers(net, [[(mb, 0)]], 2, 2, 1, True)
+    bare = psqueues.ParameterServers(dataclasses.replace(net, ps=()), [[(mb, 0)]], 2, 2, 1,
+                                     True)
     assert served.issue(0, mb, 0.0) - bare.issue(0, mb, 0.0) == pytest.approx(
         handling.seconds(mb))  # on the server's in-link, the partition's critical path
 

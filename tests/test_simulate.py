@@ -13,7 +13,7 @@ import pytest
 
 from harness import config
 from harness.measure import results
-from harness.predict import engines, model, network, priority, sweep
+from harness.predict import engines, model, network, priority, psqueues, sweep
 from harness.predict.profile import Compute
 from methods.costmodel import Cost
 from methods.plan import PerTensor
@@ -103,7 +103,7 @@ def test_ps_through_the_root_crosses_the_bus_whole_and_scatter_pipelines_it() ->
     # copy to the host
     gpu = network.Network("test", Cost(ALPHA, BETA), Cost(ALPHA, BETA), "ring", True)
     unit = [[(4_000_000, i % 2) for i in range(10)]]
-    ps = {way: network.ParameterServers(gpu, unit, 2, 3, 2, True, way)
+    ps = {way: psqueues.ParameterServers(gpu, unit, 2, 3, 2, True, way)
           for way in ("scatter", "root")}
     done = {way: p.issue(0, 40_000_000, 0.0) for way, p in ps.items()}
     # bus bytes per byte and way: scatter 2 (2 + 1) / 3 = 2, the root 2 (2 / 3 + 1) = 10 / 3
@@ -114,7 +114,7 @@ def test_ps_through_the_root_crosses_the_bus_whole_and_scatter_pipelines_it() ->
     # wire alone between; the scatter path overlaps the bus with the wire, partition by
     # partition, so it saves more than one whole crossing
     free_bus = network.Network("test", Cost(0.0, 0.0), Cost(ALPHA, BETA), "ring", True)
-    wire = network.ParameterServers(free_bus, unit, 2, 3, 2, True, "root").issue(0, 0, 0.0)
+    wire = psqueues.ParameterServers(free_bus, unit, 2, 3, 2, True, "root").issue(0, 0, 0.0)
     crossing = ps["root"].busy["bus_up"]
     assert done["root"] == pytest.approx(wire + 2 * crossing)
     assert done["scatter"] < done["root"] - crossing
@@ -135,13 +135,13 @@ def test_a_server_sums_on_its_engine_thread_before_it_answers() -> None:
     # its 40 cores' share (100 MB/s): one add (3 bytes per byte) and one copy (2), both
     # after the second (last) push is in
     size = 4_000_000
-    ps = network.ParameterServers(_summing(1e9), [[(size, 0)]], 2, 1, 1, True)
+    ps = psqueues.ParameterServers(_summing(1e9), [[(size, 0)]], 2, 1, 1, True)
     pushed = 2 * size * BETA + ALPHA   # both nodes' pushes through the server's link
     summed = pushed + 5 * size / 1e8   # 0.2 s
     assert ps.issue(0, size, 0.0) == pytest.approx(summed + 2 * size * BETA + ALPHA)
     assert ps.busy["server0_engine0"] == pytest.approx(0.2)
     # servers whose summing is not timed (a local network) answer once the pushes are in
-    plain = network.ParameterServers(_summing(0.0), [[(size, 0)]], 2, 1, 1, True)
+    plain = psqueues.ParameterServers(_summing(0.0), [[(size, 0)]], 2, 1, 1, True)
     assert plain.issue(0, size, 0.0) == pytest.approx(pushed + 2 * size * BETA + ALPHA)
     assert not any("engine" in lane for lane in plain.busy)
 
@@ -151,7 +151,7 @@ def test_server_engine_threads_share_the_partitions_by_bytes_bound() -> None:
     # 4S, thread 1 the four S's (each time the one with fewer bytes bound), 4S each
     size = 1_000_000
     unit = [[(4 * size, 0)] + [(size, 0)] * 4]
-    ps = network.ParameterServers(_summing(1e9), unit, 2, 1, 1, True, engine_threads=2)
+    ps = psqueues.ParameterServers(_summing(1e9), unit, 2, 1, 1, True, engine_threads=2)
     ps.issue(0, 8 * size, 0.0)
     assert ps.busy["server0_engine0"] == pytest.approx(ps.busy["server0_engine1"]) == \
         pytest.approx(5 * 4 * size / 1e8)
@@ -159,7 +159,7 @@ def test_server_engine_threads_share_the_partitions_by_bytes_bound() -> None:
     # summing: one thread sums them one after another from the first's arrival (21 ms),
     # two threads alternate them, the second starting at the second's (41 ms); the last
     # answer leaves 21 ms later
-    done = {threads: network.ParameterServers(_summing(1e9), [[(size, 0)] * 8], 2, 1, 1,
+    done = {threads: psqueues.ParameterServers(_summing(1e9), [[(size, 0)] * 8], 2, 1, 1,
                                               True, engine_threads=threads).issue(0, 0, 0.0)
             for threads in (1, 2)}
     assert done[1] == pytest.approx(0.021 + 8 * 0.05 + 0.021)

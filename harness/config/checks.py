@@ -45,7 +45,8 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
               dict: "a mapping", list: "a list"}
 # Keys of network profiles: the emulated link's rate, and the facts of a real network.
 NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node": dict,
-                "allreduce": str, "ps_host_copy": bool, "gpu": str}
+                "allreduce": str, "ps_host_copy": bool, "ps_wire": str, "gpu": str}
+REAL_PS_WIRES = ("rdma", "tcp")  # a real network's PS wire (this machine's: cluster.ps_wire)
 ALLREDUCE = ("ring", "tree", "hierarchical", "best")
 METHOD_DIR = CONF_DIR / "method"
 
@@ -275,6 +276,10 @@ def check_network(network: Config) -> None:
         if net["gpu"] not in gpus.table():
             raise ConfigError(f"network.gpu={net['gpu']!r} is not a GPU of conf/gpu/; choose "
                               f"one of: {', '.join(gpus.table())}")
+    if "ps_wire" in net and ("inter_node" not in net or net["ps_wire"] not in REAL_PS_WIRES):
+        raise ConfigError(f"network.ps_wire={net['ps_wire']!r} is invalid; a real network's "
+                          f"profile names one of: {', '.join(REAL_PS_WIRES)} (this machine's "
+                          "networks take the run's cluster.ps_wire)")
 
 
 def keys(cfg: DictConfig) -> list[str]:

@@ -109,7 +109,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
             over_wire=True)))
         rows.append(("allreduce", "all", nbytes, time_allreduce(
             ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
-    if ctx.num_servers:  # a PS method: its round trip through the real server (psbench.py)
+    if ctx.num_servers:  # a PS method: round trip and flight through the real server (psbench)
         rows += psbench.round_trips(ctx, sizes(cfg), repeats=cfg.microbench.repeats,
                                     per_node=cfg.cluster.workers_per_node)
     if ctx.rank == 0:

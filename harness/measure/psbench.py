@@ -1,16 +1,30 @@
-"""`harness.microbench` on a cluster with parameter servers (a PS `method=`): a push/pull
-round trip per partition size through the real server (methods/ps/server.py), as the PS
-methods' roots make it.
+"""`harness.microbench` on a cluster with parameter servers (a PS `method=`): through the
+real server (methods/ps/server.py), as the PS methods' roots use it,
 
-Every worker opens one plan on server 0 whose keys are the message sizes (one key each,
-float32, one engine thread, the cluster's node size), as a PS method's workers open
-theirs; then, per size and round, the workers meet at a barrier and each node's root
-pushes the key and waits for the server's answer (the sum over the nodes, sent once every
-root's push is in and summed): rank 0 times that round trip. Then every worker closes the
-plan and tells every server to stop. The round trip holds what a PS unit pays beyond the
-link: the server's control message and receive thread, its engine thread's sum and copy,
-the answer's send, and each side's Gloo per-message cost (`kind=ps` in the table, fitted
-to alpha + beta * bytes like the links)."""
+- `kind=ps`: a push/pull round trip of one partition per size;
+- `kind=ps_flight`: FLIGHT partitions of one size in flight at once, posted as a PS
+  method's poster posts one unit (one control header, then each partition's push and
+  its pull) and landed as its lander lands them (each pull waited in posting order);
+  the row's seconds are the whole unit's over FLIGHT, a partition's share.
+
+Every worker opens one plan on server 0 whose keys are the message sizes (one key each
+for the round trip, FLIGHT keys each for the flight; float32, one engine thread, the
+cluster's node size), as a PS method's workers open theirs; then, per size and round,
+the workers meet at a barrier and each node's root pushes and waits for the server's
+answers (the sum over the nodes, sent once every root's push is in and summed): rank 0
+times it. Then every worker closes the plan and tells every server to stop.
+
+The round trip holds what one partition pays beyond the link: the server's control
+message and receive thread, its engine thread's sum and copy, the answer's send, each
+side's per-message cost on the wire. The flight holds what the round trip cannot show:
+the server reads each worker's messages on one thread, in order, and on Gloo a message
+moves only once its receive is posted (Gloo's rendezvous: the receiver's "ready" goes
+back over the pair's one connection), so the partitions of a unit follow one another
+through that thread; what each costs there beyond its bytes is the in-order path's per
+partition cost (harness/predict/psqueues.py). Sizes of the flight stop at FLIGHT_MAX_BYTES
+(a 100 Mb/s link moves 16 x 256 KiB from 2 roots in about 0.7 s). Both fitted to alpha +
+beta * bytes like the links; each row names the PS wire it used (`ps_wire`).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +40,9 @@ from methods.ps.server import serve
 from methods.ps.transport import server_ranks, stop_servers
 from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
 
+FLIGHT = 16                  # partitions of one unit in flight (at most HEADER - 3 a header)
+FLIGHT_MAX_BYTES = 1 << 18   # the largest partition size flown
+
 
 def server(ctx: Context) -> None:
     """A server rank: serve until every worker said STOP."""
@@ -34,29 +51,51 @@ def server(ctx: Context) -> None:
 
 def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int
                 ) -> list[tuple[str, str, int, float]]:
-    """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds) per size."""
+    """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds) per size,
+    of the round trip (`ps`) and of the flight (`ps_flight`, a partition's share)."""
     target = server_ranks(ctx.num_workers)[0]
     numels = [max(1, n // 4) for n in sizes]
-    layout = torch.tensor([v for key, numel in enumerate(numels) for v in (key, numel)],
-                          dtype=torch.int64)
-    wire.send(header(OPEN, [len(numels), per_node, 0, 1]), target, tag=CTRL_TAG)
+    flown = [(i, numel) for i, (n, numel) in enumerate(zip(sizes, numels))
+             if n <= FLIGHT_MAX_BYTES]
+    keys = [(key, numel) for key, numel in enumerate(numels)]
+    flight_keys = {i: [len(numels) + j * FLIGHT + k for k in range(FLIGHT)]
+                   for j, (i, _) in enumerate(flown)}
+    keys += [(key, numels[i]) for i, ks in flight_keys.items() for key in ks]
+    layout = torch.tensor([v for key, numel in keys for v in (key, numel)], dtype=torch.int64)
+    wire.send(header(OPEN, [len(keys), per_node, 0, 1]), target, tag=CTRL_TAG)
     wire.send(layout, target, tag=LAYOUT_TAG)
     root = ctx.rank % per_node == 0
     rows = []
     for key, (nbytes, numel) in enumerate(zip(sizes, numels)):
         ctx.beat(f"push/pull {nbytes} bytes")
-        data, answer = torch.ones(numel), torch.empty(numel)
-        samples = []
-        for i in range(repeats + 1):  # the first round is a warm-up
-            dist.barrier(group=ctx.worker_group)
-            start = time.perf_counter()
-            if root:
-                wire.send(header(PUSH, [key]), target, tag=CTRL_TAG)
-                wire.send(data, target, tag=KEY_TAG + key)
-                wire.recv(answer, target, tag=KEY_TAG + key)
-            if i:
-                samples.append(time.perf_counter() - start)
-        rows.append(("ps", f"roots-{target}", nbytes, statistics.median(samples)))
+        seconds = _timed(ctx, root, target, [key], numel, repeats)
+        rows.append(("ps", f"roots-{target}", nbytes, seconds))
+    for i, numel in flown:
+        ctx.beat(f"{FLIGHT} x {sizes[i]} bytes in flight")
+        seconds = _timed(ctx, root, target, flight_keys[i], numel, repeats)
+        rows.append(("ps_flight", f"roots-{target}x{FLIGHT}", sizes[i], seconds / FLIGHT))
     wire.send(header(CLOSE), target, tag=CTRL_TAG)
     stop_servers(num_workers=ctx.num_workers)
     return rows
+
+
+def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
+           repeats: int) -> float:
+    """Median seconds, over `repeats` rounds after a warm-up, of the roots' one header and
+    a push and pull per key, the pulls waited in posting order (rank 0's clock)."""
+    data = [torch.ones(numel) for _ in keys]
+    answers = [torch.empty(numel) for _ in keys]
+    samples = []
+    for i in range(repeats + 1):  # the first round is a warm-up
+        dist.barrier(group=ctx.worker_group)
+        start = time.perf_counter()
+        if root:
+            works = [wire.isend(header(PUSH, keys), target, tag=CTRL_TAG)]
+            for key, push, answer in zip(keys, data, answers):
+                works.append(wire.isend(push, target, tag=KEY_TAG + key))
+                works.append(wire.irecv(answer, target, tag=KEY_TAG + key))
+            for work in works:
+                work.wait()
+        if i:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

@@ -1,6 +1,9 @@
 """The queued paths of the fast path (fastpath.py), over arrays of configurations: one
-communication stream (network.Collectives), the PS path's links, servers and engine lanes
-(network.ParameterServers' queues written over arrays), and ByteScheduler's bounds."""
+communication stream (network.Collectives), the PS path's node threads, links, servers
+and engine lanes (psqueues.ParameterServers' queues written over arrays, its node path's
+stages from the same description: psqueues.PATHS, stage_costs), and ByteScheduler's
+bounds. What psbench measured of a server (the round trip's handling, the in-order
+stream of a flight) is not taken here: the fast path serves sweeps of the fabrics."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import numpy as np
 
 from harness.config.frozen import Config
 from harness.predict import engines
-from harness.predict.network import ELEMENT_SIZE, Network, _Summing
+from harness.predict.network import ELEMENT_SIZE, Network
 from harness.predict.plans import Plan
+from harness.predict.psqueues import _Summing, path_of, stage_costs
 from methods import layout
 from methods.ps.server_queue import ThreadBinding
 
@@ -108,7 +112,7 @@ def _ps_alike(cfg: Config, x: Arrays, plan: Plan, unit_ready: np.ndarray, a: np.
     width = int(servers.max())
     s_in, s_out = np.zeros((k, width)), np.zeros((k, width))
     lanes = np.zeros((k, width * threads))
-    node_busy, bus_busy = np.zeros(k), np.zeros(k)
+    node_busy = np.zeros(k)
     s_busy = np.zeros((k, width))
     done = np.zeros(unit_ready.shape)
     flat = [p for ps in plan.parts for p in ps]
@@ -118,25 +122,28 @@ def _ps_alike(cfg: Config, x: Arrays, plan: Plan, unit_ready: np.ndarray, a: np.
                                      rule) for c in counts])
     threads_of = np.array([_threads(flat, row, threads) for row in owners])
     has_bus = ~(whole | (bus_share == 0))
-    bus_a = np.where(has_bus, x.a_intra, 0.0)
-    bus_b = np.where(has_bus, x.b_intra * bus_share, 0.0)
+    path = path_of(cfg)
+    costs = stage_costs(path, 2 * (sharing - 1) / sharing, 2 * x.host_copy / sharing)
+    stages = [(np.where(has_bus, alpha * x.a_intra, 0.0), np.where(has_bus, beta * x.b_intra, 0.0))
+              for alpha, beta, _ in costs]
+    outs, backs = range(len(path.out)), range(len(path.out), len(stages))
     node_b, timed = node_share * x.b_inter, bool((per_all > 0).all())
-    bus_up, bus_down, up_free, down_free = (np.zeros(k) for _ in range(4))
+    up_free, down_free, landed = np.zeros(k), np.zeros(k), np.zeros(k)
+    lane_free, lane_busy = np.zeros((len(stages), k)), np.zeros((len(stages), k))
+    first, last_lane = 0, len(stages) - 1  # the root path's crossings
     j = 0
     for u, parts in enumerate(plan.parts):
         t0 = unit_ready[:, u]
         unit_bytes = sum(p.numel for p in parts) * ELEMENT_SIZE
         whole_s = np.where(whole, x.a_intra + x.b_intra * unit_bytes * bus_share, 0.0)
         if whole.any():  # root: the unit reduced and on the host before its first push
-            t0 = np.where(whole, np.maximum(t0, bus_up) + whole_s, t0)
-            bus_up = np.where(whole, t0, bus_up)
-            bus_busy += whole_s
+            t0 = np.where(whole, np.maximum(t0, lane_free[first]) + whole_s, t0)
+            lane_free[first] = np.where(whole, t0, lane_free[first])
+            lane_busy[first] += whole_s
         last = t0
         for p in parts:  # the partition through each queue: ParameterServers.issue
             size = p.numel * ELEMENT_SIZE
-            bus = bus_a + bus_b * size
-            start = np.maximum(t0, bus_up) + bus
-            bus_up = np.where(has_bus, start, bus_up)
+            start = _through(lane_free, stages, outs, t0, size)
             node = size * node_b
             up_free = up = np.maximum(start, up_free) + node
             server = size * wire
@@ -153,20 +160,36 @@ def _ps_alike(cfg: Config, x: Arrays, plan: Plan, unit_ready: np.ndarray, a: np.
             out = np.maximum(summed, s_out[rows, s]) + server
             s_out[rows, s] = out
             down_free = down = np.maximum(summed, down_free) + node
-            pulled = np.maximum(np.maximum(out, down) + x.a_inter, bus_down) + bus
-            bus_down = np.where(has_bus, pulled, bus_down)
+            pulled = _through(lane_free, stages, backs, np.maximum(out, down) + x.a_inter,
+                              size)
             last = np.maximum(last, pulled)
             node_busy += node
-            bus_busy += bus
+            lane_busy += [alpha + beta * size for alpha, beta in stages]
             s_busy[rows, s] += np.maximum(server, size * per_all)
             j += 1
         if whole.any():  # root: back to the device and broadcast after the last pull
-            last = np.where(whole, np.maximum(last, bus_down) + whole_s, last)
-            bus_down = np.where(whole, last, bus_down)
+            last = np.where(whole, np.maximum(last, lane_free[last_lane]) + whole_s, last)
+            lane_free[last_lane] = np.where(whole, last, lane_free[last_lane])
+        if path.in_order:  # the lander: after the unit posted before it
+            last = landed = np.maximum(last, landed)
         done[:, u] = last
     top_server = s_busy.max(axis=1)
-    other = np.maximum(node_busy, bus_busy)
+    other = np.maximum(node_busy, lane_busy.max(axis=0))
     return done, np.maximum(top_server, other), top_server > other
+
+
+def _through(free: np.ndarray, stages: list, ways: range, t: np.ndarray, size: int
+             ) -> np.ndarray:
+    """A partition through the node path's threads `ways` in turn from `t` (per
+    configuration; a thread it costs nothing is skipped): when it is through."""
+    for i in ways:
+        alpha, beta = stages[i]
+        seconds = alpha + beta * size
+        on = seconds > 0
+        after = np.maximum(t, free[i]) + seconds
+        t = np.where(on, after, t)
+        free[i] = np.where(on, after, free[i])
+    return t
 
 
 def _threads(flat: list, owners: np.ndarray, threads: int) -> list[int]:

@@ -10,7 +10,10 @@ node's own loopback, not its shaped link: `p2p_intra` (timed where nodes have 2 
 that link, else the point-to-point one stands in. A PS unit's round trip through the real
 server (`kind=ps`, measured where the microbenchmark ran a PS method: harness/measure/
 psbench.py) costs more than its two messages over the link: what it costs beyond them
-is the server's handling, on the shape measured (network.ParameterServers)."""
+is the server's handling, on the shape measured; a unit's partitions in flight
+(`kind=ps_flight`) give what each costs on the server's in-order stream
+(psqueues.ParameterServers). Both are the wire's they ran on (`ps_wire`, gloo in tables
+older than the column): a run on another wire does not take them."""
 
 from __future__ import annotations
 
@@ -36,11 +39,14 @@ class Measured:
     intra: Cost | None = None
     allreduce: dict[Shape, Cost] = field(default_factory=dict)
     ps: dict[Shape, Cost] = field(default_factory=dict)  # a push/pull round trip (psbench)
+    # a unit's partitions in flight (psbench): a partition's share, and how many flew
+    ps_flight: dict[Shape, tuple[Cost, int]] = field(default_factory=dict)
 
 
-def measured(cfg: Config) -> Measured:
-    """The newest microbenchmarks of `cfg.network` in `<results_dir>/microbench/`:
-    ConfigError when none timed its link, or the link's fit is no link's."""
+def measured(cfg: Config, *, ps_wire: str = "gloo") -> Measured:
+    """The newest microbenchmarks of `cfg.network` in `<results_dir>/microbench/`, the PS
+    ones of `ps_wire`: ConfigError when none timed its link, or the link's fit is no
+    link's."""
     folder = Path(cfg.results_dir) / results.OTHER_DATA
     fits = [f for f in results.load_microbench(folder) if (f.network == cfg.network.name).all()]
     link = [f for f in fits if (f.kind == "p2p").any()]
@@ -51,11 +57,20 @@ def measured(cfg: Config) -> Measured:
             f"python -m harness.microbench {where}network={cfg.network.name} "
             f"cluster.{'nodes' if where else 'workers_per_node'}=2")
     intra = [f for f in fits if (f.kind == "p2p_intra").any()]
+    mine = [(shape, f) for shape, f in _shapes(fits)
+            if str(f.get("ps_wire", pd.Series(["gloo"])).iloc[0]) == ps_wire]
     return Measured(_cost(cfg, folder, link[-1], "p2p"),
                     _cost(cfg, folder, intra[-1], "p2p_intra") if intra else None,
                     {shape: _cost(cfg, folder, f, "allreduce") for shape, f in _shapes(fits)},
-                    {shape: _cost(cfg, folder, f, "ps") for shape, f in _shapes(fits)
-                     if (f.kind == "ps").any()})
+                    {shape: _cost(cfg, folder, f, "ps") for shape, f in mine
+                     if (f.kind == "ps").any()},
+                    {shape: (_cost(cfg, folder, f, "ps_flight"), _flown(f)) for shape, f in mine
+                     if (f.kind == "ps_flight").any()})
+
+
+def _flown(fit: pd.DataFrame) -> int:
+    """How many partitions flew in a `ps_flight` row: its ranks say `roots-<server>x<K>`."""
+    return int(str(fit[fit.kind == "ps_flight"].ranks.iloc[0]).rpartition("x")[2])
 
 
 def _shapes(fits: list[pd.DataFrame]) -> list[tuple[Shape, pd.DataFrame]]:

@@ -12,14 +12,9 @@ from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.config.schema import step_ending
 from harness.predict import engines, priority, profile
-from harness.predict.network import (
-    ELEMENT_SIZE,
-    Collectives,
-    Network,
-    ParameterServers,
-    allreduce_s,
-)
+from harness.predict.network import ELEMENT_SIZE, Collectives, Network, allreduce_s
 from harness.predict.plans import Tensors, mgwfbp_cost, plan_of, tensors
+from harness.predict.psqueues import ParameterServers, path_of
 from methods.plan import Unit, credit_in_elements
 
 # -- one configuration -------------------------------------------------------------------
@@ -72,7 +67,8 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
                                       for ps in planned.parts], nodes, per_node,
                                 planned.servers, method.transport.get("local_reduce", True),
                                 method.transport.get("node_reduce", "scatter"),
-                                method.transport.get("engine_threads", 1), slowdown)
+                                method.transport.get("engine_threads", 1), slowdown,
+                                path_of(cfg))
     elif method.transport.name == "ps":  # one node, no servers: each partition all-reduced
         comm = Collectives(lambda u, _: sum(collective(u, p.numel * ELEMENT_SIZE)
                                             for p in planned.parts[u]), slowdown=slowdown)
@@ -103,7 +99,9 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
             "busiest_link": busiest, "busy_s_per_iteration": busy,
             "busiest_s": dict(sorted(((k, v / len(ends)) for k, v in comm.busy.items() if v),
                                      key=lambda kv: -kv[1])[:BUSIEST]),
-            "compute": compute.source, "network": net.name}
+            "compute": compute.source, "network": net.name,
+            **({"ps_path": comm.path.name, "ps_wire": net.ps_wire}
+               if isinstance(comm, ParameterServers) else {})}
     samples = workers * cfg.model.local_batch_size
     return Prediction(iteration, samples / iteration, workers * compute.total_s / iteration,
                       exposed, max(0.0, busy - exposed), len(units), bottleneck, plan)

@@ -3,8 +3,11 @@
 The simulator logs what happened when (`predict(..., log=)`): per iteration its phases,
 the forward's waits for updates and the per-layer updates (ByteScheduler), each unit
 from its issue to its end on the "comm" lane, and the use of each collective stream or,
-for PS, of each link and server (node_up, node_down, bus_up, bus_down, server<i>_in,
-server<i>_out, and its engine threads server<i>_engine<t>). This writes them as
+for PS, of each link, node thread and server (node_up, node_down; the node path's
+threads, psqueues.PATHS: in order bus_up, the poster's reduce-scatter and copy out, and
+bus_down, the lander's copy in and all-gather; at full depth reduce_scatter, copy_out,
+copy_in, all_gather; server<i>_in, server<i>_out, and its engine threads
+server<i>_engine<t>). This writes them as
 harness/measure/traces.py's lanes, the last simulated iteration as the traced one, to
 `<results_dir>/traces/<run_id>_<model>_<method>_w<workers>_<network>.trace.json`.
 """
@@ -20,7 +23,8 @@ from harness.predict import profile
 from harness.predict.model import Prediction, predict
 from harness.predict.network import Network
 
-LINKS = ("updates", "collective", "node_up", "node_down", "bus_up", "bus_down")
+LINKS = ("updates", "collective", "node_up", "node_down", "bus_up", "bus_down",  # in order
+         "reduce_scatter", "copy_out", "copy_in", "all_gather")  # full depth (psqueues.PATHS)
 
 
 def _order(lane: str) -> tuple:
