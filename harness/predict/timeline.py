@@ -4,9 +4,8 @@ The simulator logs what happened when (`predict(..., log=)`): per iteration its 
 the forward's waits for updates and the per-layer updates (ByteScheduler), each unit
 from its issue to its end on the "comm" lane, and the use of each collective stream or,
 for PS, of each link, node thread and server (node_up, node_down; the node path's
-threads, psqueues.PATHS: in order bus_up, the poster's reduce-scatter and copy out, and
-bus_down, the lander's copy in and all-gather; at full depth reduce_scatter, copy_out,
-copy_in, all_gather; server<i>_in, server<i>_out, and its engine threads
+threads, psqueues.PATHS: bus_up, the reduce-scatter and copy out, and bus_down, the copy
+in and all-gather, on the node's one bus; server<i>_in, server<i>_out, and its engine threads
 server<i>_engine<t>). This writes them as
 harness/measure/traces.py's lanes, the last simulated iteration as the traced one, to
 `<results_dir>/traces/<run_id>_<model>_<method>_w<workers>_<network>.trace.json`.
@@ -23,8 +22,7 @@ from harness.predict import profile
 from harness.predict.model import Prediction, predict
 from harness.predict.network import Network
 
-LINKS = ("updates", "collective", "node_up", "node_down", "bus_up", "bus_down",  # in order
-         "reduce_scatter", "copy_out", "copy_in", "all_gather")  # full depth (psqueues.PATHS)
+LINKS = ("updates", "collective", "node_up", "node_down", "bus_up", "bus_down")
 
 
 def _order(lane: str) -> tuple:
