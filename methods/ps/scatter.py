@@ -76,18 +76,25 @@ def _hear(node: Node, peer: int, *, tag: int) -> int:
     return int(msg)
 
 
+def _collectives(piece: _Piece, *, node: Node, order: NodeOrder, kinds: tuple[int, int],
+                 after: torch.cuda.Event | None) -> None:
+    """The node's collectives of one partition, in the node's order: `kinds[0]` on the body
+    (the workers' equal slices), `kinds[1]` on the leftover (the root's)."""
+    job, part, (body, _, _) = piece.job, piece.part, split(piece.part, node)
+    flat, kw = job.staging.flat, {"after": after, "key": part.key, "timeout_s": job.timeout_s}
+    job.at = node.name
+    if body > part.start:
+        order.run(kinds[0], flat[part.start : body], **kw)
+    if body < part.end:
+        order.run(kinds[1], flat[body : part.end], **kw)
+
+
 def _reduce(piece: _Piece, *, node: Node, order: NodeOrder,
             then: Callable[[_Piece], None]) -> None:
     """Step 1: reduce-scatter the partition (the leftover to the root)."""
-    job, part, (body, _, _) = piece.job, piece.part, split(piece.part, node)
-    flat, kw = job.staging.flat, {"after": job.ready, "key": part.key,
-                                  "timeout_s": job.timeout_s}
-    job.at = node.name
-    if body > part.start:
-        order.run(REDUCE_SCATTER, flat[part.start : body], **kw)
-    if body < part.end:
-        order.run(REDUCE, flat[body : part.end], **kw)
-    piece.reduced = record(flat.device)
+    _collectives(piece, node=node, order=order, kinds=(REDUCE_SCATTER, REDUCE),
+                 after=piece.job.ready)
+    piece.reduced = record(piece.job.staging.flat.device)
     then(piece)
 
 
@@ -167,16 +174,11 @@ def _copy_in(piece: _Piece, *, node: Node, then: Callable[[_Piece], None]) -> No
 
 def _gather(piece: _Piece, *, node: Node, order: NodeOrder) -> None:
     """Step 6: all-gather the slices, broadcast the leftover; the unit lands with its last."""
-    job, part, (body, _, _) = piece.job, piece.part, split(piece.part, node)
-    flat, kw = job.staging.flat, {"after": piece.copied, "key": part.key,
-                                  "timeout_s": job.timeout_s}
-    job.at = node.name
-    if body > part.start:
-        order.run(ALL_GATHER, flat[part.start : body], **kw)
-    if body < part.end:
-        order.run(BROADCAST, flat[body : part.end], **kw)
+    _collectives(piece, node=node, order=order, kinds=(ALL_GATHER, BROADCAST),
+                 after=piece.copied)
+    job = piece.job
     if job.back():
-        job.landed = record(flat.device)
+        job.landed = record(job.staging.flat.device)
         job.done.set()
 
 

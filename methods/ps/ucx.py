@@ -36,7 +36,10 @@ import torch
 
 CPU = torch.device("cpu")
 TAG_BITS = 32  # the wire tag's bits; the sender's rank above them
-POLL_MAX_S = 200e-6  # a waiting thread's longest sleep between looks at its request
+# a waiting thread's longest sleep between looks at its request: short sleeps cost the
+# CPU the run's other threads need (bert_tiny wfbp_ps, 2 emulated eth10g nodes, ucx over
+# gloo: 20 us 0.65x, 200 us 0.83x, 1 ms 0.92x; methods/README.md, "The wire")
+POLL_MAX_S = 1e-3
 ADDRESS_KEY = "ddlbench/ps_wire/ucx/address{rank}"
 LANE = re.compile(r"lane\[\d+\]:\s+\d+:(\S+)")
 
