@@ -55,9 +55,11 @@ def test_microbench_times_both_links_of_two_nodes_of_two(results_dir) -> None:
                      f"results_dir={results_dir}", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     frame = pd.read_parquet(next((results_dir / "microbench").glob("*.parquet")))
+    # the link between the nodes (ranks 0 and 2), the one inside a node (0 and 1), and the
+    # PS wire over the link between the nodes (host tensors, cluster.ps_wire: gloo here)
     assert sorted(set(zip(frame.kind, frame.ranks))) == [
-        ("allreduce", "all"), ("p2p", "0-2"), ("p2p_intra", "0-1")]
-    assert (frame.seconds > 0).all()
+        ("allreduce", "all"), ("p2p", "0-2"), ("p2p_intra", "0-1"), ("wire", "0-2")]
+    assert (frame.seconds > 0).all() and set(frame.ps_wire) == {"gloo"}
 
 
 # -- issue 38: the measured profile's GPUs and clock, the trace watcher ----------------------

@@ -21,7 +21,7 @@ from methods.costtiming import time_allreduce
 from methods.ps import wire
 
 FOLDER = results.OTHER_DATA
-WIRE_TAG = 6  # the `wire` kind's messages (methods/ps/wire.py's tags stop at 3, keys from 16)
+WIRE_TAG = 6  # the `wire` kind's messages (methods/ps/wire.py's tags stop at 4, keys from 16)
 
 
 def sizes(cfg: DictConfig) -> list[int]:
