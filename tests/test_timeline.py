@@ -96,7 +96,7 @@ def test_a_run_and_its_prediction_from_this_machines_compute_share_a_time_axis(m
     assert cpu.about["compute"].startswith("measured:cpu") and one_axis(run, cpu)
     fig = figure([cpu, run])
     assert _shared_x(fig) and "one time axis (both CPU)" in fig.get_suptitle()
-    assert fig.axes[0].get_title().startswith("measured")  # measured above predicted
+    assert fig.axes[0].get_title(loc="left").startswith("measured")  # measured above predicted
     gpu_dir = tmp_path / "gpu"  # the same configuration predicted for a GPU
     shutil.copytree(results_dir / results.OTHER_DATA, gpu_dir / results.OTHER_DATA)
     out = run_module("harness.simulate", "model=bert_tiny", "method=wfbp_a2a",
