@@ -135,3 +135,52 @@ def test_unit_completion_gap_with_and_without_the_compute() -> None:
     assert n == 3 and gap == pytest.approx(0.2)  # median of 0.2, 0.2, 0.1 over 1 s
     late, _ = selfcheck.unit_gap(measured, predicted, after_backward=True)
     assert late == pytest.approx(0.0)  # the same once each is counted from its backward
+
+
+def _pieces(source: str, pieces: list[tuple[int, float, float]]) -> traces.Timeline:
+    """A traced iteration of 1 s whose comm lane holds (unit, issue, completion) pieces."""
+    bars = [traces.Bar("comm", f"unit {u}", start, end, {"unit": u}) for u, start, end in pieces]
+    return traces.Timeline({"source": source}, 1.0, ["compute", "comm"], bars)
+
+
+def test_unit_issue_gap_beside_the_completion_gap() -> None:
+    measured = _pieces("measured", [(0, 0.2, 0.4), (0, 0.3, 0.6), (1, 0.3, 0.7),
+                                    (2, 0.5, 0.9), (3, -0.2, 0.1)])  # 3: the iteration before
+    predicted = _pieces("simulated", [(0, 0.2, 0.8), (1, 0.4, 0.9), (2, 0.8, 1.0), (3, 0.1, 0.2)])
+    issue, n = selfcheck.unit_gap(measured, predicted, at="issue")
+    assert n == 3 and issue == pytest.approx(0.1)  # median of 0, 0.1, 0.3
+    done, _ = selfcheck.unit_gap(measured, predicted, at="completion")
+    assert done == pytest.approx(0.2)  # unit 0 completes with its last piece: 0.2, 0.2, 0.1
+    assert done == selfcheck.unit_gap(measured, predicted)[0]  # completion, as before
+    assert selfcheck.gap_text(measured, predicted).endswith(
+        "issue 10.0%, completion 20.0% (3 units)")
+    pieces = _pieces("measured", [(0, 0.3, 0.6), (0, 0.2, 0.4)])  # a unit in two pieces
+    whole = _pieces("simulated", [(0, 0.2, 0.6)])
+    assert selfcheck.unit_gap(pieces, whole, at="issue") == (0.0, 1)  # its first issue
+    assert selfcheck.unit_gap(pieces, whole) == (0.0, 1)  # its last completion
+    with pytest.raises(ValueError, match="at='start'"):
+        selfcheck.unit_gap(measured, predicted, at="start")
+
+
+def _write_trace(folder: Path, source: str, backward_end_s: float,
+                 units: list[tuple[float, float]]) -> None:
+    """A trace file as run.trace / simulate.trace write it: an iteration of 1 s."""
+    events = [traces.meta("thread_name", traces.COMPUTE, "compute"),
+              traces.meta("thread_name", traces.COMM, "comm"),
+              traces.span("backward", 0.1e6, backward_end_s * 1e6)]
+    for u, (start, end) in enumerate(units):
+        events += traces.unit(u, u, start * 1e6, end * 1e6, {"bytes": 4})
+    about = {"source": source, "model": "bert_tiny", "method": "wfbp_ps", "workers": 2,
+             "network": "eth1g", "local_batch_size": 8, "traced_us": [0, 1e6], "rank": 0}
+    traces.write({"traceEvents": events}, folder / traces.FOLDER / f"{source}.trace.json",
+                  about)
+
+
+def test_trace_lines_print_the_issue_and_completion_gaps(tmp_path: Path) -> None:
+    _write_trace(tmp_path, "measured", 0.5, [(0.2, 0.6), (0.3, 0.7), (0.5, 0.9)])
+    _write_trace(tmp_path, "simulated", 0.7, [(0.2, 0.8), (0.4, 0.9), (0.8, 1.0)])
+    [line] = selfcheck.trace_lines(tmp_path)
+    assert line.startswith("trace bert_tiny wfbp_ps 2 eth1g 8: iteration measured 1000 ms, "
+                           "predicted 1000 ms; ")
+    assert ("as a share of the measured iteration: issue 10.0%, completion 20.0% (3 units); "
+            "completion 0.0% counted from the end of backward") in line

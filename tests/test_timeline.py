@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
 from harness.measure import results, traces
-from harness.report.timeline import counterpart
+from harness.report.timeline import counterpart, draw_timeline, figure, one_axis
 from tests.conftest import TINY, run_module
 
 
@@ -77,6 +78,77 @@ def test_the_report_draws_measured_beside_predicted(measured, tmp_path) -> None:
     assert other is not None and other.about["source"] == "simulated"
     page = (plots / "index.html").read_text()
     assert "Timeline" in page and page.count("data:image/png;base64") >= 2
+
+
+def _shared_x(fig) -> bool:
+    """Whether the figure's two panels share their x axis, at the same limits."""
+    top, bottom = fig.axes[:2]
+    return top.get_shared_x_axes().joined(top, bottom) and top.get_xlim() == bottom.get_xlim()
+
+
+def test_a_run_and_its_prediction_from_this_machines_compute_share_a_time_axis(measured,
+                                                                              tmp_path) -> None:
+    """A self-check's pair (both CPU) on one axis; the same run against a prediction for
+    a GPU (simulate.compute=rtx2080ti) on two, the title saying which is which."""
+    results_dir, _ = measured
+    path = next(p for p in _trace_files(results_dir) if "_rank0." in p.name)
+    run, cpu = traces.read(path), counterpart(traces.read(path), results_dir)
+    assert cpu.about["compute"].startswith("measured:cpu") and one_axis(run, cpu)
+    fig = figure([cpu, run])
+    assert _shared_x(fig) and "one time axis (both CPU)" in fig.get_suptitle()
+    assert fig.axes[0].get_title(loc="left").startswith("measured")  # measured above predicted
+    gpu_dir = tmp_path / "gpu"  # the same configuration predicted for a GPU
+    shutil.copytree(results_dir / results.OTHER_DATA, gpu_dir / results.OTHER_DATA)
+    out = run_module("harness.simulate", "model=bert_tiny", "method=wfbp_a2a",
+                     "cluster.workers_per_node=2", "simulate.compute=rtx2080ti",
+                     "simulate.trace=true", f"results_dir={gpu_dir}")
+    assert out.returncode == 0, out.stderr
+    gpu = counterpart(run, gpu_dir)
+    assert gpu.about["compute"].startswith("counted:rtx2080ti") and not one_axis(run, gpu)
+    fig = figure([run, gpu])
+    assert not _shared_x(fig)
+    assert ("each on its own time axis: measured on a CPU (" in fig.get_suptitle()
+            and "predicted for a GPU (counted:rtx2080ti" in fig.get_suptitle())
+    png = draw_timeline(path, gpu_dir, tmp_path / "plots")
+    assert png.stat().st_size > 10_000
+
+
+def _made(source: str, length_s: float, hardware: str | None) -> traces.Timeline:
+    """A hand-made trace: one forward, one unit; `hardware`: its device or compute."""
+    about = {"source": source, "model": "m", "method": "wfbp_a2a", "workers": 2,
+             "network": "eth1g", "local_batch_size": 8, "rank": 0}
+    if hardware:
+        about["device" if source == "measured" else "compute"] = hardware
+    bars = [traces.Bar("compute", "forward", 0.0, length_s / 2, {}),
+            traces.Bar("comm", "unit 0", length_s / 2, length_s, {"unit": 0})]
+    return traces.Timeline(about, length_s, ["compute", "comm"], bars)
+
+
+@pytest.mark.parametrize(("measured_on", "predicted_for", "lengths", "shared"), [
+    ("x86_64", "measured:cpu x2 processes", (1.0, 3.0), True),  # a self-check, under load
+    ("x86_64", "counted:rtx2080ti:fp32", (1.0, 0.9), False),  # CPU against GPU, however close
+    ("NVIDIA H100 80GB HBM3", "counted:a100:fp32", (0.1, 0.2), True),  # two GPUs
+    ("NVIDIA H100 80GB HBM3", "measured:cpu x2 processes", (0.1, 0.2), False),
+    (None, "counted:rtx2080ti:fp32", (1.0, 9.0), True),  # not recorded: the lengths decide
+    (None, None, (1.0, 0.05), False),  # 20x apart
+])
+def test_the_time_axis_is_shared_by_traces_of_one_kind_of_hardware(
+        measured_on, predicted_for, lengths, shared) -> None:
+    run = _made("measured", lengths[0], measured_on)
+    prediction = _made("simulated", lengths[1], predicted_for)
+    assert one_axis(run, prediction) == one_axis(prediction, run) == shared
+    fig = figure([prediction, run])
+    assert _shared_x(fig) == shared
+    if shared:  # one ms scale: the longer iteration fits both panels
+        assert fig.axes[0].get_xlim()[1] >= 1e3 * max(lengths)
+    else:  # each its own: the shorter one is not squeezed into the longer one's range
+        assert fig.axes[1].get_xlim()[1] < 1.1e3 * lengths[1]
+    title = fig.get_suptitle()
+    assert ("one time axis" in title) == shared and ("own time axis" in title) != shared
+    issue, done = abs(lengths[0] - lengths[1]) / 2, abs(lengths[0] - lengths[1])  # from 0
+    assert title.split("\n")[-1].endswith(
+        f"issue {100 * issue / lengths[0]:.1f}%, completion {100 * done / lengths[0]:.1f}% "
+        "(1 units)")  # the measured iteration's share
 
 
 def test_bytescheduler_traces_its_pieces_from_its_own_thread(results_dir) -> None:
@@ -190,3 +262,9 @@ def test_a_broken_trace_is_refused_naming_the_field(predicted, where, key, value
     path.write_text(json.dumps(trace))
     with pytest.raises(ValueError, match=re.escape(named)):
         traces.read(path)
+
+
+def test_a_trace_without_its_counterpart_is_drawn_alone() -> None:
+    fig = figure([_made("simulated", 0.5, "counted:rtx2080ti:fp32")])
+    assert len(fig.axes) == 1 and fig.axes[0].get_xlim()[1] == pytest.approx(525)
+    assert fig.get_suptitle().endswith("(no measured trace found)")

@@ -9,6 +9,14 @@ source found under `<results_dir>/traces/`, one panel each, as
 index) and, predicted, each collective stream, link or server busy with a unit. A unit
 has one color in every lane. The traced iteration lies between the dashed lines; what
 came before it (communication of the previous iteration still in flight) shows left of 0.
+
+The two panels share one time axis (the same ms scale, each iteration from 0) when they
+describe the same hardware (`one_axis`): the measured trace's `device` and the predicted
+one's `compute` both a CPU (a self-check: a run here and its prediction from the compute
+measured here) or both a GPU. A CPU run against a GPU prediction differs by orders: each
+panel keeps its own axis and the title says so and why. Where a trace records neither,
+the iteration lengths decide: less than `ORDERS` times apart, one axis. Under the title,
+the units' issue and completion gaps (harness.predict.selfcheck.unit_gap).
 """
 
 from __future__ import annotations
@@ -16,21 +24,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import matplotlib
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure  # Figure objects render with Agg; no pyplot state
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import colormaps  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from harness.measure import traces  # noqa: E402
-from harness.report.data import ReportError  # noqa: E402
+from harness.measure import traces
+from harness.predict.selfcheck import gap_text
+from harness.report.data import ReportError
 
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "synchronize": "#b0b0b0",
                 "update": "#55a868"}
 WAIT_COLOR = "#c44e52"
 MAX_ROWS = 4  # sub-rows of a lane where units overlap
+ORDERS = 10.0  # iterations this many times apart are not of one cluster (no device recorded)
+GPU_NAME = re.compile(r"nvidia|tesla|geforce|quadro|titan|radeon|instinct", re.IGNORECASE)
 
 
 def _read(path: str | Path) -> traces.Timeline:
@@ -56,6 +64,44 @@ def counterpart(timeline: traces.Timeline, results_dir: str | Path) -> traces.Ti
     return max(found, key=lambda found: found[0], default=(0, None))[1]
 
 
+def hardware(tl: traces.Timeline) -> str | None:
+    """"cpu" or "gpu": what a measured trace ran on (its `device`: a CUDA device's name,
+    else the CPU's), what a predicted one is for (its `compute`: "measured:cpu ..." this
+    machine's CPU, "measured:cuda", "counted:<gpu>:..." a GPU); None where not recorded."""
+    a = tl.about
+    name = a.get("device") if a["source"] == "measured" else a.get("compute")
+    if not isinstance(name, str) or not name:
+        return None
+    if a["source"] == "measured":
+        return "gpu" if GPU_NAME.search(name) else "cpu"
+    return "cpu" if name.startswith("measured:cpu") else "gpu"
+
+
+def one_axis(a: traces.Timeline, b: traces.Timeline) -> bool:
+    """Whether two traces are drawn on one time axis: both on the same hardware (CPU or
+    GPU); where either does not record it, iterations less than ORDERS times apart."""
+    mine, theirs = hardware(a), hardware(b)
+    if mine and theirs:
+        return mine == theirs
+    return max(a.length_s, b.length_s) < ORDERS * min(a.length_s, b.length_s)
+
+
+def _axes_line(shown: list[traces.Timeline], shared: bool) -> str:
+    """The title's word on the time axis: one, or why each panel has its own."""
+    kinds = [hardware(tl) for tl in shown]
+    if shared:
+        return (f"measured and predicted on one time axis (both {kinds[0].upper()})"
+                if kinds[0] and kinds[1] else "measured and predicted on one time axis")
+    if kinds[0] and kinds[1]:
+        what = [f"measured on a {k.upper()} ({tl.about['device']})"
+                if tl.about["source"] == "measured"
+                else f"predicted for a {k.upper()} ({tl.about['compute']})"
+                for tl, k in zip(shown, kinds)]
+        return "each on its own time axis: " + ", ".join(what)
+    lengths = " and ".join(f"{tl.length_s * 1e3:.3g} ms" for tl in shown)
+    return f"each on its own time axis: iterations of {lengths}, orders apart"
+
+
 def _rows(bars: list[traces.Bar]) -> list[int]:
     """A sub-row per bar, the first where it overlaps nothing (greedy, in start order)."""
     ends: list[float] = []
@@ -69,7 +115,8 @@ def _rows(bars: list[traces.Bar]) -> list[int]:
     return [r % MAX_ROWS for r in rows]
 
 
-def _panel(ax: Axes, tl: traces.Timeline, title: str) -> None:
+def _panel(ax: Axes, tl: traces.Timeline, title: str, *, span_s: float) -> None:
+    """One trace's lanes; `span_s`: the longest iteration on this axis (the x range)."""
     ms = 1e3
     lanes = tl.lanes
     colors = colormaps["tab20"]
@@ -94,7 +141,7 @@ def _panel(ax: Axes, tl: traces.Timeline, title: str) -> None:
             ax.broken_barh([(b.start_s * ms, max((b.end_s - b.start_s) * ms, 1e-3))],
                            (y0, height * 0.9), facecolors=color, edgecolors="black",
                            linewidth=0.3)
-            room = 0.04 * tl.length_s  # a label where it fits beside the last one
+            room = 0.04 * span_s  # a label where it fits beside the last one
             if lane == "comm" and b.end_s - b.start_s > room and b.start_s > labelled[row] + room:
                 ax.text(b.start_s * ms, y0 + height * 0.45, f" {unit}", ha="left",
                         va="center", fontsize=6, clip_on=True)
@@ -103,7 +150,7 @@ def _panel(ax: Axes, tl: traces.Timeline, title: str) -> None:
         ax.axvline(x, color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlim(-0.1 * tl.length_s * ms, 1.05 * tl.length_s * ms)
+    ax.set_xlim(-0.1 * span_s * ms, 1.05 * span_s * ms)
     ax.set_xlabel("ms from the traced iteration's start")
     ax.set_title(title, fontsize=9, loc="left")
 
@@ -121,30 +168,50 @@ def _title(tl: traces.Timeline) -> str:
     return f"{who}: iteration {tl.length_s * 1e3:.1f} ms, {units} units in it"
 
 
+def _heading(shown: list[traces.Timeline], shared: bool) -> str:
+    """The figure's title: the configuration; for a pair (measured first), its time axis
+    and the units' issue and completion gaps."""
+    a = shown[0].about
+    first = (f"{a['model']} {a['method']} x{a['workers']} on {a['network']}, local batch "
+             f"{a['local_batch_size']}")
+    if len(shown) == 1:
+        other = "predicted" if a["source"] == "measured" else "measured"
+        return f"{first} (no {other} trace found)"
+    return "\n".join([first, _axes_line(shown, shared), gap_text(*shown)])
+
+
+def figure(shown: list[traces.Timeline]) -> Figure:
+    """The panels of one or two traces of one configuration, measured above predicted, on
+    one time axis where `one_axis` says so; the title names the configuration, the axes
+    and, for a pair, the units' issue and completion gaps."""
+    shown = sorted(shown, key=lambda tl: tl.about["source"] != "measured")
+    shared = len(shown) == 2 and one_axis(*shown)
+    heights = [len(tl.lanes) for tl in shown]
+    fig = Figure(figsize=(11, 1.6 + 0.55 * sum(heights)), layout="constrained")
+    axes = fig.subplots(len(shown), 1, sharex=shared, height_ratios=heights,
+                        squeeze=False)[:, 0]
+    span_s = max(tl.length_s for tl in shown)
+    for ax, tl in zip(axes, shown):
+        _panel(ax, tl, _title(tl), span_s=span_s if shared else tl.length_s)
+    for ax in axes[:-1] if shared else []:
+        ax.set_xlabel("")  # the axis is the bottom panel's
+    fig.suptitle(_heading(shown, shared), x=0.01, ha="left", fontsize=10)
+    keys = [Patch(color=c, label=name) for name, c in PHASE_COLORS.items()]
+    keys.append(Patch(facecolor="none", edgecolor=WAIT_COLOR, hatch="////", label="wait"))
+    fig.legend(handles=keys, loc="outside lower center", ncol=len(keys), fontsize=8,
+               frameon=False)
+    return fig
+
+
 def draw_timeline(path: str | Path, results_dir: str | Path, out_dir: str | Path) -> Path:
     """The timeline figure of the trace at `path` and its counterpart; returns the PNG."""
     first = _read(path)
     other = counterpart(first, results_dir)
-    shown = [first] + ([other] if other is not None else [])
-    shown.sort(key=lambda tl: tl.about["source"] != "measured")
-    heights = [len(tl.lanes) for tl in shown]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(11, 1.2 + 0.55 * sum(heights)),
-                             height_ratios=heights, squeeze=False)
-    for ax, tl in zip(axes[:, 0], shown):
-        _panel(ax, tl, _title(tl))
-    a = first.about
-    about = (f"{a['model']} {a['method']} x{a['workers']} on {a['network']}, local batch "
-             f"{a['local_batch_size']}")
-    fig.suptitle(about + ("" if other is not None else " (no trace of the other source found)"),
-                 x=0.01, ha="left", fontsize=11)
-    keys = [Patch(color=c, label=name) for name, c in PHASE_COLORS.items()]
-    keys.append(Patch(facecolor="none", edgecolor=WAIT_COLOR, hatch="////", label="wait"))
-    fig.legend(handles=keys, loc="lower center", ncol=len(keys), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig = figure([first] + ([other] if other is not None else []))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    a = first.about
     name = f"timeline_{a['model']}_{a['method']}_w{a['workers']}_{a['network']}"
     stem = Path(out_dir) / re.sub(r"[^\w.-]", "_", name)  # a name from the file: no '/'
     fig.savefig(f"{stem}.png", dpi=130)
     fig.savefig(f"{stem}.pdf")
-    plt.close(fig)
     return Path(f"{stem}.png")
