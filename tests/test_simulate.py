@@ -38,6 +38,28 @@ def cfg(method: str, *overrides: str):
     return config.load([f"method={method}", "simulate.iterations=4", *overrides], simulate=True)
 
 
+def test_nccl24_takes_its_tree_below_ncclTreeThreshold_and_its_ring_above() -> None:
+    # NCCL 2.4.8 (src/init.cc) on PCIe: 10,000 bytes per us its ring's latency exceeds the
+    # tree's; 6 us a ring step, 15 us a level across nodes, 4 us a GPU within one
+    assert network.nccl24_tree_below(1, 4) == 0.0
+    assert [round(network.nccl24_tree_below(n, 4)) for n in (2, 4, 8)] == [
+        150_000, 480_000, 1_290_000]
+    nccl, ring = net(allreduce="nccl24"), net()
+    depth = 3 * ALPHA + 3 * ALPHA  # log2(8) levels across nodes, a chain of 4 within
+    small, big = 100_000, 2_000_000
+    moved = 2 * 31 / 32 * small * BETA
+    assert network.allreduce_s(nccl, small, nodes=8, per_node=4) == pytest.approx(
+        2 * depth + 1.5 * moved)  # the tree: 2/3 of the ring's bandwidth
+    for nbytes in (big, small):  # above the threshold, or on one node: the ring
+        assert network.allreduce_s(nccl, big, nodes=8, per_node=4) == pytest.approx(
+            network.allreduce_s(ring, big, nodes=8, per_node=4))
+        assert network.allreduce_s(nccl, nbytes, nodes=1, per_node=4) == pytest.approx(
+            network.allreduce_s(ring, nbytes, nodes=1, per_node=4))
+    # the study's networks run it
+    assert {config.load([f"network={n}"], simulate=True).network.allreduce
+            for n in ("ib100_rdma", "eth100_tcp", "eth10_tcp")} == {"nccl24"}
+
+
 def test_bsp_one_tensor_is_compute_plus_one_allreduce() -> None:
     c = compute([1_000_000], [0.2])
     pred = model.predict(cfg("bsp_a2a", "cluster.workers_per_node=2"), c, net())

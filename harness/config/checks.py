@@ -47,7 +47,7 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
 NETWORK_KEYS = {"name": str, "rate_mbit": float, "inter_node": dict, "intra_node": dict,
                 "allreduce": str, "ps_host_copy": bool, "ps_wire": str, "gpu": str}
 REAL_PS_WIRES = ("rdma", "tcp")  # a real network's PS wire (this machine's: cluster.ps_wire)
-ALLREDUCE = ("ring", "tree", "hierarchical", "best")
+ALLREDUCE = ("ring", "tree", "hierarchical", "best", "nccl24")
 METHOD_DIR = CONF_DIR / "method"
 
 

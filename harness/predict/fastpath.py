@@ -123,7 +123,10 @@ def _arrays(fam: Family) -> Arrays:
 
 
 def allreduce_affine(x: Arrays) -> tuple[np.ndarray, np.ndarray]:
-    """network.allreduce_s as alpha + beta * bytes per configuration (0 on one worker)."""
+    """network.allreduce_s as alpha + beta * bytes per configuration (0 on one worker).
+    `nccl24` (the study's networks) is taken as its ring at every size: NCCL 2.4.8's tree
+    below 1.3 MB is the discrete-event model's only (no fabric of experiment=whatif uses
+    it)."""
     n, g, p = x.nodes, x.per_node, x.workers
     alpha = np.maximum(np.where(g > 1, x.a_intra, 0.0), np.where(n > 1, x.a_inter, 0.0))
     beta = np.maximum(np.where(g > 1, x.b_intra, 0.0), np.where(n > 1, x.b_inter, 0.0))

@@ -35,7 +35,8 @@ class Network:
     name: str
     intra: Cost           # between the workers of one node
     inter: Cost           # between nodes, and to every parameter server
-    allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree)
+    allreduce: str        # ring | tree | hierarchical | best (the faster of ring and tree) |
+                          # nccl24 (NCCL 2.4.8's tree below its threshold, its ring above)
     ps_host_copy: bool     # PS: GPU workers copy each partition to host memory and back
     server_memory: float = 0.0  # a server machine's memory bytes/s; 0: summing not timed
     gloo: tuple = ()  # ((nodes, workers per node), Cost): all-reduces measured (links.py)
@@ -119,7 +120,28 @@ def allreduce_s(net: Network, nbytes: int, *, nodes: int, per_node: int) -> floa
     # a tree: logarithmic start-up across nodes, a chain within; no better bandwidth than a ring
     depth = math.ceil(math.log2(nodes)) * net.inter.alpha + (per_node - 1) * net.intra.alpha
     tree = 2 * depth + moved
+    if net.allreduce == "nccl24":  # NCCL 2.4.8's own choice on PCIe (no NVLink), below
+        return 2 * depth + moved * NCCL24_TREE_SLOWER if nbytes <= nccl24_tree_below(
+            nodes, per_node) else ring
     return {"ring": ring, "tree": tree, "best": min(ring, tree)}[net.allreduce]
+
+
+# NCCL 2.4.8 (src/init.cc, ncclTreeThreshold), the study's NCCL, on GPUs without NVLink:
+# a multi-node all-reduce takes its double binary tree below a size and its ring above,
+# from its own estimates: ring 5000 B/us and 6 us a step, tree 2/3 of the ring's bandwidth
+# and 15 us per level across nodes plus 4 us per GPU within one.
+NCCL24_TREE_SLOWER = 3 / 2  # the tree's bytes cost 1 / (2/3) of the ring's
+
+
+def nccl24_tree_below(nodes: int, per_node: int) -> float:
+    """The size (bytes) below which NCCL 2.4.8 runs an all-reduce of nodes x per_node
+    GPUs (no NVLink) as a tree: ncclTreeThreshold's formula."""
+    if nodes < 2:
+        return 0.0
+    ring_lat = 6.0 * (nodes * per_node - 1)
+    tree_lat = 15.0 * math.log2(nodes) + 4.0 * (per_node - 1)
+    ring_bw, tree_bw = 5000.0, 5000.0 * 2 / 3
+    return max(0.0, ring_bw * tree_bw / (ring_bw - tree_bw) * (ring_lat - tree_lat))
 
 
 def fitted_cost(net: Network, *, nodes: int, per_node: int) -> Cost:
