@@ -1,11 +1,24 @@
 """The rank side of `python -m harness.microbench` (harness/microbench.py says what it
 measures): timed point-to-point transfers and all-reduces per message size, the fitted
-alpha + beta * bytes, the table and the parquet file rank 0 writes."""
+alpha + beta * bytes, the table and the parquet file rank 0 writes.
+
+Beside each time, the CPU it took (`cpu_s`): the CPU seconds every process of the run
+(workers and servers, all their threads) spent over the timed rounds, per operation, read
+by rank 0 from each process's CPU clock after the warm-up and at the end (first messages
+set up buffers and connections); fitted like the times
+(`cpu_alpha_s`, `cpu_s_per_byte`). CPU time is what the communication takes from the
+run's compute where they share cores (harness/predict/cpushare.py); unlike the wall time it
+hardly depends on what else loads the machine. NaN where rank 0 cannot read every rank's
+clock (ranks on other hosts). Tables older than these columns load without them."""
 
 from __future__ import annotations
 
+import math
+import os
+import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -16,7 +29,7 @@ from omegaconf import DictConfig
 from harness.launch.rank import Context
 from harness.measure import psbench, results
 from harness.measure.timing import device_sync
-from methods.costmodel import least_squares
+from methods.costmodel import Cost, least_squares
 from methods.costtiming import time_allreduce
 from methods.ps import wire
 
@@ -49,16 +62,18 @@ def pairs(*, nodes: int, workers_per_node: int) -> dict[str, tuple[int, int]]:
 
 
 def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
-             pair: tuple[int, int] = (0, 1), over_wire: bool = False) -> float:
+             pair: tuple[int, int] = (0, 1), over_wire: bool = False,
+             cpu: Callable[[], float] = lambda: math.nan) -> tuple[float, float]:
     """Median one-way seconds of `nbytes` between the ranks of `pair` (ping-pong / 2), on
     the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do),
     or `over_wire`: host tensors over the PS wire (methods/ps/wire.py, cluster.ps_wire),
-    as pushes and pulls travel; other ranks return 0 at once."""
+    as pushes and pulls travel; other ranks return 0 at once. Beside it, the CPU seconds
+    of the run's processes (`cpu`, rank 0's clock) per one-way message, after the warm-up."""
     device = torch.device("cpu") if over_wire else device
     send, recv = (_wire_send, _wire_recv) if over_wire else (_dist_send, _dist_recv)
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
     first, second = pair
-    samples = []
+    samples, spent = [], math.nan
     for i in range(repeats + 1):
         device_sync(device)
         start = time.perf_counter()
@@ -71,7 +86,10 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
         device_sync(device)
         if i:  # the first round trip is a warm-up
             samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples) if samples else 0.0
+        else:
+            spent = cpu()
+    spent = (cpu() - spent) / (2 * repeats) if repeats else math.nan
+    return (statistics.median(samples) if samples else 0.0), spent
 
 
 def _dist_send(buf: torch.Tensor, peer: int) -> None:
@@ -90,30 +108,64 @@ def _wire_recv(buf: torch.Tensor, peer: int) -> None:
     wire.recv(buf, peer, tag=WIRE_TAG)
 
 
+def cpu_clock(rank: int) -> Callable[[], float]:
+    """Every rank of the run calls it (an object gather on the default group, servers
+    included): on rank 0, a clock of the CPU seconds all the run's processes have spent so
+    far (each process's CPU clock: all its threads, live and ended), NaN when a rank runs on
+    another host or its clock cannot be read; on the others, a clock of NaN."""
+    seats: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seats, (socket.gethostname(), os.getpid()))
+    if rank != 0:
+        return lambda: math.nan
+    here = socket.gethostname()
+    pids = [pid for host, pid in seats if host == here]
+    return (lambda: math.nan) if len(pids) < len(seats) else lambda: cpu_seconds(pids)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU seconds these processes have spent (Linux's per-process CPU clock,
+    MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) of include/linux/posix-timers.h), NaN when
+    one cannot be read (ended, or not this machine's)."""
+    try:
+        return sum(time.clock_gettime(((~pid) << 3) | 2) for pid in pids)
+    except OSError:
+        return math.nan
+
+
+def metered_allreduce(cpu: Callable[[], float], group: dist.ProcessGroup | None, numel: int,
+                      *, repeats: int, device: torch.device) -> tuple[float, float]:
+    """`time_allreduce`'s median seconds, and the CPU seconds of the run's processes
+    (`cpu`) per all-reduce over its warm-up and timed ones, after a warm-up of its own."""
+    dist.all_reduce(torch.zeros(numel, device=device), group=group)
+    before = cpu()
+    seconds = time_allreduce(group, numel, repeats=repeats, device=device)
+    return seconds, (cpu() - before) / (repeats + 1)
+
+
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
+    cpu = cpu_clock(ctx.rank)
     if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
         psbench.server(ctx)
         return
     rows = []
     links = pairs(nodes=cfg.cluster.nodes, workers_per_node=cfg.cluster.workers_per_node)
+    repeats = cfg.microbench.repeats
+    # the PS wire (gloo or ucx) over the `p2p` link with host tensors, as pushes and pulls go
+    timed = [*((kind, pair, False) for kind, pair in links.items()), ("wire", links["p2p"], True)]
     for nbytes in sizes(cfg):
         ctx.beat(f"timing {nbytes} bytes")
-        repeats = cfg.microbench.repeats
-        for kind, pair in links.items():
-            rows.append((kind, f"{pair[0]}-{pair[1]}", nbytes, time_p2p(
-                nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair)))
-        wire_pair = links["p2p"]  # the PS wire (gloo or ucx) over the same link, host tensors
-        rows.append(("wire", f"{wire_pair[0]}-{wire_pair[1]}", nbytes, time_p2p(
-            nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=wire_pair,
-            over_wire=True)))
-        rows.append(("allreduce", "all", nbytes, time_allreduce(
-            ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
+        for kind, pair, wired in timed:
+            rows.append((kind, f"{pair[0]}-{pair[1]}", nbytes, *time_p2p(
+                nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair,
+                over_wire=wired, cpu=cpu)))
+        rows.append(("allreduce", "all", nbytes, *metered_allreduce(
+            cpu, ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
     if ctx.num_servers:  # a PS method: round trip and flight through the real server (psbench)
-        rows += psbench.round_trips(ctx, sizes(cfg), repeats=cfg.microbench.repeats,
-                                    per_node=cfg.cluster.workers_per_node)
+        rows += psbench.round_trips(ctx, sizes(cfg), repeats=repeats,
+                                    per_node=cfg.cluster.workers_per_node, cpu=cpu)
     if ctx.rank == 0:
-        frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds"]))
+        frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds", "cpu_s"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,
                              network=cfg.network.name, world_size=ctx.num_workers,
                              nodes=cfg.cluster.nodes,  # the shape its all-reduce ran on
@@ -126,10 +178,17 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
 
 
 def fitted(frame: pd.DataFrame) -> pd.DataFrame:
-    """Add each kind's alpha (s) and beta (s/byte) fitted over its sizes."""
+    """Add each kind's alpha (s) and beta (s/byte) fitted over its sizes, and where the
+    frame has CPU seconds (`cpu_s`, none NaN) their fit too (`cpu_alpha_s`,
+    `cpu_s_per_byte`; else NaN)."""
     for _, part in frame.groupby("kind"):
-        cost = least_squares(part.bytes.astype(float).tolist(), part.seconds.tolist())
+        nbytes = part.bytes.astype(float).tolist()
+        cost = least_squares(nbytes, part.seconds.tolist())
         frame.loc[part.index, ["alpha_s", "beta_s_per_byte"]] = (cost.alpha, cost.beta)
+        cpu = part.cpu_s.tolist() if "cpu_s" in part else [math.nan]
+        fit = (least_squares(nbytes, cpu) if all(math.isfinite(c) for c in cpu)
+               else Cost(math.nan, math.nan))
+        frame.loc[part.index, ["cpu_alpha_s", "cpu_s_per_byte"]] = (fit.alpha, fit.beta)
     return frame
 
 
@@ -140,6 +199,8 @@ def table(frame: pd.DataFrame) -> str:
                      f"{r.bytes * 8 / r.seconds / 1e9 if r.seconds else 0:>8.3f}")
     for kind, part in frame.groupby("kind"):
         a, b = part.alpha_s.iloc[0], part.beta_s_per_byte.iloc[0]
+        ca, cb = part.cpu_alpha_s.iloc[0], part.cpu_s_per_byte.iloc[0]
         lines.append(f"{kind}: alpha={a * 1e6:.1f} us, beta={b * 1e9:.4f} ns/byte "
-                     f"({8 / b / 1e9 if b else float('inf'):.3f} Gbit/s)")
+                     f"({8 / b / 1e9 if b else float('inf'):.3f} Gbit/s); the CPU of all "
+                     f"processes {ca * 1e6:.1f} us + {cb * 1e9:.4f} ns/byte")
     return "\n".join(lines)

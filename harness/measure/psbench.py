@@ -23,13 +23,19 @@ back over the pair's one connection), so the partitions of a unit follow one ano
 through that thread; what each costs there beyond its bytes is the in-order path's per
 partition cost (harness/predict/psqueues.py). Sizes of the flight stop at FLIGHT_MAX_BYTES
 (a 100 Mb/s link moves 16 x 256 KiB from 2 roots in about 0.7 s). Both fitted to alpha +
-beta * bytes like the links; each row names the PS wire it used (`ps_wire`).
+beta * bytes like the links; each row names the PS wire it used (`ps_wire`). Beside the
+seconds, the CPU seconds all the run's processes (the roots, the other workers, the
+servers: every thread) spent per round trip, or per partition of the flight (`cpu_s`, read
+by rank 0 on microbench's clock over the timed rounds): what the PS path takes from
+compute where the run shares cores (harness/predict/cpushare.py).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,10 +55,12 @@ def server(ctx: Context) -> None:
     serve(num_workers=ctx.num_workers)
 
 
-def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int
-                ) -> list[tuple[str, str, int, float]]:
-    """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds) per size,
-    of the round trip (`ps`) and of the flight (`ps_flight`, a partition's share)."""
+def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
+                cpu: Callable[[], float] = lambda: math.nan
+                ) -> list[tuple[str, str, int, float, float]]:
+    """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds, CPU
+    seconds) per size, of the round trip (`ps`) and of the flight (`ps_flight`, a
+    partition's share of both); `cpu`: the run's processes' CPU seconds so far (rank 0)."""
     target = server_ranks(ctx.num_workers)[0]
     numels = [max(1, n // 4) for n in sizes]
     flown = [(i, numel) for i, (n, numel) in enumerate(zip(sizes, numels))
@@ -68,24 +76,26 @@ def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int
     rows = []
     for key, (nbytes, numel) in enumerate(zip(sizes, numels)):
         ctx.beat(f"push/pull {nbytes} bytes")
-        seconds = _timed(ctx, root, target, [key], numel, repeats)
-        rows.append(("ps", f"roots-{target}", nbytes, seconds))
+        rows.append(("ps", f"roots-{target}", nbytes,
+                     *_timed(ctx, root, target, [key], numel, repeats, cpu)))
     for i, numel in flown:
         ctx.beat(f"{FLIGHT} x {sizes[i]} bytes in flight")
-        seconds = _timed(ctx, root, target, flight_keys[i], numel, repeats)
-        rows.append(("ps_flight", f"roots-{target}x{FLIGHT}", sizes[i], seconds / FLIGHT))
+        seconds, spent = _timed(ctx, root, target, flight_keys[i], numel, repeats, cpu)
+        rows.append(("ps_flight", f"roots-{target}x{FLIGHT}", sizes[i], seconds / FLIGHT,
+                     spent / FLIGHT))
     wire.send(header(CLOSE), target, tag=CTRL_TAG)
     stop_servers(num_workers=ctx.num_workers)
     return rows
 
 
 def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
-           repeats: int) -> float:
+           repeats: int, cpu: Callable[[], float]) -> tuple[float, float]:
     """Median seconds, over `repeats` rounds after a warm-up, of the roots' one header and
-    a push and pull per key, the pulls waited in posting order (rank 0's clock)."""
+    a push and pull per key, the pulls waited in posting order (rank 0's clock); and the
+    CPU seconds of the run's processes (`cpu`) per round over those rounds."""
     data = [torch.ones(numel) for _ in keys]
     answers = [torch.empty(numel) for _ in keys]
-    samples = []
+    samples, spent = [], math.nan
     for i in range(repeats + 1):  # the first round is a warm-up
         dist.barrier(group=ctx.worker_group)
         start = time.perf_counter()
@@ -98,4 +108,6 @@ def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
                 work.wait()
         if i:
             samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        else:
+            spent = cpu()
+    return statistics.median(samples), (cpu() - spent) / repeats

@@ -13,7 +13,11 @@ psbench.py) costs more than its two messages over the link: what it costs beyond
 is the server's handling, on the shape measured; a unit's partitions in flight
 (`kind=ps_flight`) give what each costs on the server's in-order stream
 (psqueues.ParameterServers). Both are the wire's they ran on (`ps_wire`, gloo in tables
-older than the column): a run on another wire does not take them."""
+older than the column): a run on another wire does not take them. Beside each time, the
+CPU seconds all the run's processes spent on it (`cpu`: the all-reduce and the PS round
+trip and flight per shape, fitted alpha + beta * bytes), where the newest microbenchmark
+of the shape measured it (tables older than the columns have none): what communication
+takes from compute on shared cores (harness/predict/cpushare.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ class Measured:
     ps: dict[Shape, Cost] = field(default_factory=dict)  # a push/pull round trip (psbench)
     # a unit's partitions in flight (psbench): a partition's share, and how many flew
     ps_flight: dict[Shape, tuple[Cost, int]] = field(default_factory=dict)
+    # CPU seconds of all the run's processes per operation, by (kind, shape): `allreduce`
+    # of the shape's microbenchmark, `ps` and `ps_flight` of the wire's
+    cpu: dict[tuple[str, Shape], Cost] = field(default_factory=dict)
 
 
 def measured(cfg: Config, *, ps_wire: str = "gloo") -> Measured:
@@ -65,7 +72,25 @@ def measured(cfg: Config, *, ps_wire: str = "gloo") -> Measured:
                     {shape: _cost(cfg, folder, f, "ps") for shape, f in mine
                      if (f.kind == "ps").any()},
                     {shape: (_cost(cfg, folder, f, "ps_flight"), _flown(f)) for shape, f in mine
-                     if (f.kind == "ps_flight").any()})
+                     if (f.kind == "ps_flight").any()},
+                    {**_cpu(_shapes(fits), ("allreduce",)), **_cpu(mine, ("ps", "ps_flight"))})
+
+
+def _cpu(fits: list[tuple[Shape, pd.DataFrame]], kinds: tuple[str, ...]
+         ) -> dict[tuple[str, Shape], Cost]:
+    """The CPU fit (`cpu_alpha_s`, `cpu_s_per_byte`) of each of `kinds` in the newest
+    microbenchmark of each shape, where it has a finite one (NaN: not measured there)."""
+    newest = dict(fits)  # oldest first: the newest of a shape wins
+    out = {}
+    for shape, fit in newest.items():
+        for kind in kinds:
+            rows = fit[fit.kind == kind]
+            if rows.empty or "cpu_s_per_byte" not in rows:
+                continue
+            alpha, beta = float(rows.cpu_alpha_s.iloc[0]), float(rows.cpu_s_per_byte.iloc[0])
+            if math.isfinite(alpha) and math.isfinite(beta):
+                out[(kind, shape)] = Cost(alpha, beta)
+    return out
 
 
 def _flown(fit: pd.DataFrame) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
 from harness.config.schema import step_ending
-from harness.predict import engines, priority, profile
+from harness.predict import cpushare, engines, priority, profile
 from harness.predict.network import ELEMENT_SIZE, Collectives, Network, allreduce_s
 from harness.predict.plans import Tensors, mgwfbp_cost, plan_of, tensors
 from harness.predict.psqueues import ParameterServers, path_of
@@ -87,7 +87,9 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
                     fusion=fusion, iterations=cfg.simulate.iterations,
                     ending=step_ending(cfg.run), engine=engine, log=log)
     steady = ends[1:] if len(ends) > 2 else ends
-    iteration = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
+    simulated = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
+    share = cpushare.of(cfg, compute.total_s, planned, net)  # the cores a run here shares
+    iteration = max(simulated, share.floor_s)
     exposed = max(0.0, iteration - compute.total_s)
     busiest, busy = max(comm.busy.items(), key=lambda kv: kv[1])
     busy /= len(ends)
@@ -95,11 +97,13 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
     if exposed > 0.05 * iteration:
         bottleneck = ("exposed communication" if not busiest.startswith("server") else
                       "server engine" if "_engine" in busiest else "server link")
+    if iteration > simulated:
+        bottleneck = "shared cores"
     plan = {**described, "units": len(units), "alpha_s": cost.alpha, "beta_s_per_byte": cost.beta,
             "busiest_link": busiest, "busy_s_per_iteration": busy,
             "busiest_s": dict(sorted(((k, v / len(ends)) for k, v in comm.busy.items() if v),
                                      key=lambda kv: -kv[1])[:BUSIEST]),
-            "compute": compute.source, "network": net.name,
+            "compute": compute.source, "network": net.name, **share.described,
             **({"ps_path": comm.path.name, "ps_wire": net.ps_wire}
                if isinstance(comm, ParameterServers) else {})}
     samples = workers * cfg.model.local_batch_size

@@ -44,6 +44,7 @@ class Network:
     # the wire PS messages use (a profile's `ps_wire`; this machine's: cluster.ps_wire)
     ps_wire: str = "gloo"
     ps_flight: tuple = ()  # ((nodes, workers per node), (Cost, partitions)): psbench's flight
+    cpu: tuple = ()  # (((kind, (nodes, workers per node)), Cost): CPU seconds measured (links.py)
 
 
 # The study's 4-GPU ring all-reduce on PCIe 3.0 (conf/network/ib100_rdma.yaml): 1.34 GB in
@@ -72,7 +73,8 @@ def network(cfg: Config) -> Network:
     link = links.measured(cfg, ps_wire=wire)  # this machine's: the microbenchmarks of links.py
     return Network(net.name, link.intra or link.link, link.link, "ring", False,
                    gloo=tuple(link.allreduce.items()), ps=tuple(link.ps.items()),
-                   ps_wire=wire, ps_flight=tuple(link.ps_flight.items()))
+                   ps_wire=wire, ps_flight=tuple(link.ps_flight.items()),
+                   cpu=tuple(link.cpu.items()))
 
 
 def ps_wire(cfg: Config) -> str:

@@ -1,0 +1,134 @@
+"""The CPU communication takes from compute on shared cores (issue 43 item 2): the floor
+of harness/predict/cpushare.py on hand-made numbers, the microbenchmark's CPU columns
+as a real run writes them and as older tables lack them, and no floor off this machine."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness import config
+from harness.config import checks
+from harness.measure import microbench, results
+from harness.predict import cpushare, model, network
+from harness.predict.profile import Compute
+from methods.costmodel import Cost
+from tests.conftest import run_module
+
+LINK = Cost(1e-4, 1e-9)  # a fast link: the cores, not the wire, bound these iterations
+CPU = Cost(2e-3, 50e-9)  # CPU seconds of all processes per all-reduce / round trip
+NBYTES = 10_000_000      # one tensor: 2.5 PS partitions of 4,096,000 bytes
+
+
+def _net(shape: tuple[int, int], *kinds: str) -> network.Network:
+    return network.Network("test", LINK, LINK, "ring", False,
+                           cpu=tuple(((kind, shape), CPU) for kind in kinds))
+
+
+def _compute() -> Compute:
+    """One tensor, one layer: 0.1 s forward, 0.2 s backward, 0.01 s update."""
+    return Compute([NBYTES // 4], [0.2], [0], [((0,), 0.1)], 0.01, "test")
+
+
+def _cfg(method: str, *overrides: str):
+    return config.load([f"method={method}", "simulate.iterations=4", "simulate.compute=measured",
+                        "run.threads=1", *overrides], simulate=True)
+
+
+def test_the_floor_is_the_iteration_that_keeps_every_core_busy() -> None:
+    assert cpushare.floor_s(0.5, busy=2, cores=2, comm_cpu_s=1.0) == pytest.approx(1.0)
+    assert cpushare.floor_s(0.5, busy=1, cores=4, comm_cpu_s=1.0) == pytest.approx(0.375)
+    assert cpushare.NONE.floor_s == 0.0 and cpushare.NONE.described == {}
+
+
+def test_communications_cpu_stretches_an_iteration_on_shared_cores() -> None:
+    c = _compute()
+    for method, shape, kind, calls in (
+            ("bsp_a2a", ("cluster.workers_per_node=2",), "allreduce", 1),  # one all-reduce
+            ("bsp_ps", ("cluster.nodes=2",), "ps", 3)):  # a round trip per partition
+        cfg = _cfg(method, *shape)
+        dims = (cfg.cluster.nodes, cfg.cluster.workers_per_node)
+        bare = model.predict(cfg, c, _net(dims))  # no CPU measured: no floor
+        assert bare.plan["comm_cpu_s"] is None and bare.bottleneck != "shared cores"
+        pred = model.predict(cfg, c, _net(dims, kind))
+        cpu = calls * CPU.alpha + CPU.beta * NBYTES  # 0.5 s (bsp_a2a), 0.506 s (bsp_ps)
+        assert pred.plan["comm_cpu_s"] == pytest.approx(cpu)
+        busy = min(checks.cores(), 2)  # 2 workers of 1 thread each
+        floor = (busy * c.total_s + cpu) / checks.cores()
+        assert pred.plan["cpu_floor_s"] == pytest.approx(floor)
+        assert pred.iteration_s == pytest.approx(max(bare.iteration_s, floor))
+        if floor > bare.iteration_s:
+            assert pred.bottleneck == "shared cores"
+            assert pred.throughput < bare.throughput
+
+
+def test_a_gpu_network_or_counted_compute_gets_no_stretch() -> None:
+    c = _compute()
+    for overrides in (["network=eth10_tcp"], ["simulate.compute=rtx2080ti"],
+                      ["cluster=slurm"]):
+        cfg = _cfg("bsp_a2a", "cluster.nodes=2", *overrides)
+        assert not cpushare.shares_cores(cfg)
+        shaped = _net((2, 1), "allreduce")
+        assert model.predict(cfg, c, shaped).iteration_s == pytest.approx(
+            model.predict(cfg, c, _net((2, 1))).iteration_s)
+        assert "comm_cpu_s" not in model.predict(cfg, c, shaped).plan
+
+
+def test_the_cpu_clock_reads_another_process() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while (spent := microbench.cpu_seconds([child.pid])) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0.3 <= spent < 0.3 + 2.0  # its burn and its start-up, not ours
+    finally:
+        child.kill()
+        child.wait()
+    assert math.isnan(microbench.cpu_seconds([child.pid]))  # ended: not readable
+
+
+def _table(folder: Path, name: str, **cpu: float) -> None:
+    """A microbenchmark of 2 emulated eth1g nodes x 1 (with CPU columns where given)."""
+    rows = [{"kind": kind, "ranks": "0-1", "bytes": 1024, "seconds": 1e-4, "alpha_s": 1e-4,
+             "beta_s_per_byte": 8e-9, **cpu} for kind in ("p2p", "allreduce", "ps")]
+    pd.DataFrame(rows).assign(run_id=name, cluster="emulated", network="eth1g", world_size=2,
+                              nodes=2, workers_per_node=1).to_parquet(folder / f"{name}.parquet")
+
+
+def test_older_microbenchmarks_load_without_the_cpu_columns(tmp_path: Path) -> None:
+    folder = tmp_path / results.OTHER_DATA
+    folder.mkdir(parents=True)
+    cfg = config.load(["cluster=emulated", "network=eth1g", f"results_dir={tmp_path}"],
+                      simulate=True)
+    _table(folder, "old")
+    assert network.network(cfg).cpu == ()
+    _table(folder, "new", cpu_s=1e-3, cpu_alpha_s=1e-3, cpu_s_per_byte=2e-8)
+    assert dict(network.network(cfg).cpu) == {("allreduce", (2, 1)): Cost(1e-3, 2e-8),
+                                              ("ps", (2, 1)): Cost(1e-3, 2e-8)}
+
+
+def test_microbench_rows_carry_the_cpu_of_every_process(results_dir) -> None:
+    """2 local nodes x 1 with a PS method: workers and servers, all on this machine."""
+    out = run_module("harness.microbench", "cluster.nodes=2", "method=bsp_ps",
+                     "microbench.min_bytes=1024", "microbench.max_bytes=4194304",
+                     "microbench.repeats=2", f"results_dir={results_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    frame = pd.read_parquet(next((results_dir / results.OTHER_DATA).glob("*.parquet")))
+    assert {"cpu_s", "cpu_alpha_s", "cpu_s_per_byte"} <= set(frame.columns)
+    assert set(frame.kind) >= {"p2p", "allreduce", "ps", "ps_flight"}
+    assert (frame.cpu_s > 0).all() and frame.cpu_s.notna().all(), frame
+    assert frame.cpu_s_per_byte.notna().all() and frame.cpu_alpha_s.notna().all()
+    # summing and moving 4 MiB three ways takes more CPU than 1 KiB (a few ms against a
+    # fraction of one; the PS round trip's small sizes are noisier: Python per message)
+    ar = frame[frame.kind == "allreduce"].set_index("bytes").cpu_s
+    assert ar[4194304] > 2 * ar[1024], ar
+    assert "the CPU of all processes" in out.stdout
+    cfg = config.load(["cluster.nodes=2", f"results_dir={results_dir}"], simulate=True)
+    assert {k for k, _ in network.network(cfg).cpu} >= {("allreduce", (2, 1)), ("ps", (2, 1))}
