@@ -1,7 +1,8 @@
 """The UCX wire itself (methods/ps/ucx.py), between real processes: messages matched by
 (peer, tag) whatever order they are posted and sent in, every dtype the PS family sends,
 empty messages, a wait past its timeout naming the peer as a peer's timeout, a dead peer
-named as a closed connection, the transports UCX picked, and `close`."""
+named as a closed connection, the transports UCX picked, and `close` (its progress thread
+gone); a waiter sleeps until its message arrives and wakes at once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib.util
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +66,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         store.wait(["done1"])
     wire.close()
     said["after_close"] = wire.current().name
+    said["threads_after_close"] = [t.name for t in threading.enumerate()
+                                   if t.name == "ucx-progress"]
     Path(f"{out}.{rank}").write_text(json.dumps(said))
 
 
@@ -137,6 +141,43 @@ def test_transports_are_recorded_and_close_returns_to_gloo(ucx_ranks) -> None:
     assert columns["ps_wire"] == "ucx"
     assert columns["ps_wire_transports"], columns  # e.g. "tcp/lo" or "posix/memory,..."
     assert ucx_ranks[0]["after_close"] == ucx_ranks[1]["after_close"] == "gloo"
+    assert ucx_ranks[0]["threads_after_close"] == ucx_ranks[1]["threads_after_close"] == []
+
+
+LATE_S = 0.3  # how late the message of the waking test is sent
+
+
+def test_a_waiter_sleeps_until_its_message_arrives_and_wakes_at_once() -> None:
+    """A receive whose message is sent LATE_S after the wait began returns within a small
+    margin of it, and the waiting thread spent (almost) no CPU meanwhile: it blocked until
+    the progress thread woke it, instead of looking at its request again and again (two
+    UCX workers of one process, over the loopback)."""
+    store = TCPStore("127.0.0.1", _free_port(), 1, True, timeout=dt.timedelta(seconds=30))
+    ends = [ucx.Ucx(store, rank=rank, timeout_s=TIMEOUT_S) for rank in (0, 1)]
+    try:
+        for end in ends:
+            end.publish()
+        ends[0].isend(torch.zeros(1), 1, 5).wait()  # the endpoint is up before timing
+        ends[1].irecv(torch.empty(1), 0, 5).wait()
+        got = torch.empty(1 << 16)
+
+        def late() -> None:
+            time.sleep(LATE_S)
+            ends[0].isend(torch.full((1 << 16,), 3.0), 1, 6).wait()
+
+        sender = threading.Thread(target=late)
+        handle = ends[1].irecv(got, 0, 6)
+        sender.start()
+        started, cpu = time.monotonic(), time.thread_time()
+        handle.wait(10)
+        waited, cpu = time.monotonic() - started, time.thread_time() - cpu
+        sender.join()
+    finally:
+        for end in ends:
+            end.close()
+    assert bool((got == 3.0).all())
+    assert LATE_S - 0.02 <= waited < LATE_S + 0.1, waited
+    assert cpu < 1e-3, f"the waiting thread used {cpu * 1e3:.2f} ms of CPU in {waited:.2f} s"
 
 
 def test_tags_must_fit() -> None:

@@ -1,8 +1,11 @@
 """The UCX wire: the PS family's messages (methods/ps/wire.py) over UCX tag matching,
 on ucxx's synchronous core API (`ucxx._lib.libucxx`), beside Gloo's point-to-point.
 
-One UCX context and worker per process, progressed by ucxx's progress thread (started
-with the rank's device current). Each rank publishes its worker address in the run's
+One UCX context and worker per process, progressed by one thread of ours (`Progress`, on
+the rank's device) in UCX's blocking mode: it sleeps in epoll on the worker's event file
+until the network or a request has something for it, progresses the worker, and wakes the
+threads waiting for a message that is now through. A waiter blocks on its own Event (no
+polling, no CPU while it waits). Each rank publishes its worker address in the run's
 store (`publish`); an endpoint to a peer is made from the peer's address on the first
 send to it. A receive is posted on the worker, so it needs no endpoint.
 
@@ -17,7 +20,8 @@ for each endpoint (`transports`) is read from `ucp_ep_print_info`: its lanes.
 
 A handle's `wait(timeout)` (seconds or a timedelta; None: the wire's `timeout_s`) raises a
 RuntimeError naming the peer rank when the message is not through in time, or when UCX
-reports an error (a peer that went away: "Connection reset ..."), so the callers'
+reports an error (a peer that went away: "Connection reset ..."; the progress thread wakes
+a receive's waiter as soon as UCX saw the peer's endpoint fail), so the callers'
 `naming`/`naming_server` and the harness's failure handling blame the right rank.
 """
 
@@ -34,12 +38,14 @@ from typing import Any
 
 import torch
 
+from methods import base
+
 CPU = torch.device("cpu")
 TAG_BITS = 32  # the wire tag's bits; the sender's rank above them
-# a waiting thread's longest sleep between looks at its request: short sleeps cost the
-# CPU the run's other threads need (bert_tiny wfbp_ps, 2 emulated eth10g nodes, ucx over
-# gloo: 20 us 0.65x, 200 us 0.83x, 1 ms 0.92x; methods/README.md, "The wire")
-POLL_MAX_S = 1e-3
+# the progress thread's longest sleep in epoll: it wakes on the worker's events; this only
+# bounds a wake-up UCX did not signal (and how long close() waits for the thread)
+EPOLL_TIMEOUT_MS = 10
+CLOSE_S = 1.0  # how long close() lets UCX close the endpoints
 ADDRESS_KEY = "ddlbench/ps_wire/ucx/address{rank}"
 LANE = re.compile(r"lane\[\d+\]:\s+\d+:(\S+)")
 
@@ -66,34 +72,78 @@ def seconds(timeout: float | dt.timedelta | None, default: float) -> float:
     return timeout.total_seconds() if isinstance(timeout, dt.timedelta) else float(timeout)
 
 
+class Progress:
+    """The worker's progress thread (module docstring) and the threads waiting on it."""
+
+    def __init__(self, worker: Any, device: torch.device) -> None:
+        self.worker, self.running = worker, True
+        self.lock = threading.Lock()
+        self.waiting: set[Handle] = set()  # the handles a thread is blocked on now
+        worker.init_blocking_progress_mode()
+        self.thread = base.start_thread(self.run, name="ucx-progress", device=device,
+                                        stream=base.side_stream(device, "ucx progress"))
+
+    def run(self) -> None:
+        while self.running:
+            self.worker.progress_worker_event(EPOLL_TIMEOUT_MS)  # progress, else epoll
+            if self.waiting:
+                self.wake()
+
+    def wake(self) -> None:
+        """Set the Event of every waiting handle whose message is through or lost."""
+        with self.lock:
+            ready = [handle for handle in self.waiting if handle.ready()]
+            self.waiting.difference_update(ready)
+        for handle in ready:
+            handle.event.set()
+
+    def block(self, handle: Handle, limit: float) -> None:
+        """Return once `handle` is ready (`Handle.ready`) or `limit` seconds passed."""
+        handle.event = threading.Event()
+        with self.lock:
+            self.waiting.add(handle)
+        if not handle.ready():  # else it was ready before the thread could see it wait
+            handle.event.wait(limit)
+        with self.lock:
+            self.waiting.discard(handle)
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join()
+
+
 class Handle:
     """One message in flight, as a `dist.Work` to its callers: `wait`, `is_completed`."""
 
-    __slots__ = ("request", "keep", "peer", "what", "timeout_s", "lost", "after")
+    __slots__ = ("request", "keep", "peer", "what", "timeout_s", "lost", "after",
+                 "progress", "event")
 
     def __init__(self, request: Any, keep: Any, *, peer: int, what: str, timeout_s: float,
-                 lost: Callable[[], bool] | None = None) -> None:
+                 progress: Progress, lost: Callable[[], bool] | None = None) -> None:
         self.request, self.keep, self.peer, self.what = request, keep, peer, what
         self.timeout_s, self.lost = timeout_s, lost  # lost: whether the peer is gone
+        self.progress, self.event = progress, None
         self.after: Callable[[], Any] | None = None  # run once through (a copy in)
 
     def is_completed(self) -> bool:
         return bool(self.request.completed)
 
+    def ready(self) -> bool:
+        """Whether a wait would return now: the message is through, or its peer lost."""
+        return self.request.completed or (self.lost is not None and self.lost())
+
     def wait(self, timeout: float | dt.timedelta | None = None) -> bool:
         """Block until the message is through; RuntimeError naming the peer if it is not
         within `timeout` (module docstring) or if UCX failed it."""
         limit = seconds(timeout, self.timeout_s)
-        deadline, pause = time.monotonic() + limit, 1e-6
-        while not self.request.completed:
+        if not self.request.completed:
+            self.progress.block(self, limit)
+        if not self.request.completed:
             if self.lost is not None and self.lost():
                 raise RuntimeError(f"ucx wire: {self.what} rank {self.peer} failed: "
                                    "Connection closed (UCX reports its endpoint gone)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ucx wire: {self.what} rank {self.peer} timed out: not "
-                                   f"through within {limit:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MAX_S)
+            raise RuntimeError(f"ucx wire: {self.what} rank {self.peer} timed out: not "
+                               f"through within {limit:g} s")
         try:
             self.request.check_error()
         except Exception as exc:  # noqa: BLE001 - every UCX error names its peer
@@ -120,10 +170,7 @@ class Ucx:
                                                          ucx_api.Feature.WAKEUP))
         self.cuda = bool(self.context.cuda_support)
         self.worker = ucx_api.UCXWorker(self.context)
-        if device.type == "cuda":  # the progress thread runs on the rank's device
-            self.worker.set_progress_thread_start_callback(torch.cuda.set_device,
-                                                           cb_args=(device,))
-        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
+        self.progress = Progress(self.worker, device)
         self.endpoints: dict[int, Any] = {}
         self.lock = threading.Lock()
         self.closed = False
@@ -151,16 +198,15 @@ class Ucx:
             return self._device_send(tensor, peer, tag)
         array = self._array(tensor)
         request = self.endpoint(peer).tag_send(array, self.api.UCXXTag(ucx_tag(self.rank, tag)))
-        return Handle(request, (tensor, array), peer=peer, what=f"a send (tag {tag}) to",
-                      timeout_s=self.timeout_s)
+        return self.handle(request, (tensor, array), peer, f"a send (tag {tag}) to")
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         if tensor.is_cuda:
             return self._device_recv(tensor, peer, tag)
         array = self._array(tensor)
         request = self.worker.tag_recv(array, self.api.UCXXTag(ucx_tag(peer, tag)))
-        return Handle(request, (tensor, array), peer=peer, what=f"a receive (tag {tag}) from",
-                      timeout_s=self.timeout_s, lost=lambda: self.lost(peer))
+        return self.handle(request, (tensor, array), peer, f"a receive (tag {tag}) from",
+                           lost=lambda: self.lost(peer))
 
     def _device_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         """A device tensor's send: from the GPU where UCX can, else its host copy."""
@@ -169,8 +215,7 @@ class Ucx:
         torch.cuda.current_stream(tensor.device).synchronize()  # its bytes are written
         array = self.api_array(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         request = self.endpoint(peer).tag_send(array, self.api.UCXXTag(ucx_tag(self.rank, tag)))
-        return Handle(request, (tensor, array), peer=peer, what=f"a send (tag {tag}) to",
-                      timeout_s=self.timeout_s)
+        return self.handle(request, (tensor, array), peer, f"a send (tag {tag}) to")
 
     def _device_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         """A device tensor's receive: into the GPU where UCX can, else copied in on wait."""
@@ -183,8 +228,13 @@ class Ucx:
             raise ValueError("ucx wire: only contiguous tensors can be received")
         array = self.api_array(tensor.detach().reshape(-1).view(torch.uint8))
         request = self.worker.tag_recv(array, self.api.UCXXTag(ucx_tag(peer, tag)))
-        return Handle(request, (tensor, array), peer=peer, what=f"a receive (tag {tag}) from",
-                      timeout_s=self.timeout_s, lost=lambda: self.lost(peer))
+        return self.handle(request, (tensor, array), peer, f"a receive (tag {tag}) from",
+                           lost=lambda: self.lost(peer))
+
+    def handle(self, request: Any, keep: Any, peer: int, what: str,
+               lost: Callable[[], bool] | None = None) -> Handle:
+        return Handle(request, keep, peer=peer, what=what, timeout_s=self.timeout_s,
+                      progress=self.progress, lost=lost)
 
     def lost(self, peer: int) -> bool:
         """Whether UCX saw the endpoint to `peer` fail (a receive has no endpoint of its
@@ -216,15 +266,18 @@ class Ucx:
         return sorted(found)
 
     def close(self) -> None:
-        """Stop the progress thread and close the endpoints (every message is through)."""
+        """Close the endpoints, then stop the progress thread (every message is through)."""
         if self.closed:
             return
         self.closed = True
-        for ep in self.endpoints.values():  # while the progress thread runs: it closes them
-            if ep.alive:  # closing one that UCX already closed on an error crashes ucxx
-                ep.close()
+        closing = [self.handle(ep.close(), None, peer, "closing the endpoint to")
+                   for peer, ep in self.endpoints.items()
+                   if ep.alive]  # closing one that UCX already closed on an error crashes ucxx
+        deadline = time.monotonic() + CLOSE_S
+        for handle in closing:  # the progress thread closes them
+            self.progress.block(handle, max(0.0, deadline - time.monotonic()))
         self.endpoints.clear()
-        self.worker.stop_progress_thread()
+        self.progress.stop()
 
 
 def endpoint_info(ep: Any) -> str:
