@@ -131,9 +131,9 @@ def _timeline(source: str, backward_end: float, unit_ends: list[float]) -> trace
 def test_unit_completion_gap_with_and_without_the_compute() -> None:
     measured = _timeline("measured", 0.5, [0.6, 0.7, 0.9])
     predicted = _timeline("simulated", 0.7, [0.8, 0.9, 1.0])  # backward 0.2 s late
-    gap, n = selfcheck.unit_gap(measured, predicted)
+    gap, n = traces.unit_gap(measured, predicted)
     assert n == 3 and gap == pytest.approx(0.2)  # median of 0.2, 0.2, 0.1 over 1 s
-    late, _ = selfcheck.unit_gap(measured, predicted, after_backward=True)
+    late, _ = traces.unit_gap(measured, predicted, after_backward=True)
     assert late == pytest.approx(0.0)  # the same once each is counted from its backward
 
 
@@ -147,19 +147,19 @@ def test_unit_issue_gap_beside_the_completion_gap() -> None:
     measured = _pieces("measured", [(0, 0.2, 0.4), (0, 0.3, 0.6), (1, 0.3, 0.7),
                                     (2, 0.5, 0.9), (3, -0.2, 0.1)])  # 3: the iteration before
     predicted = _pieces("simulated", [(0, 0.2, 0.8), (1, 0.4, 0.9), (2, 0.8, 1.0), (3, 0.1, 0.2)])
-    issue, n = selfcheck.unit_gap(measured, predicted, at="issue")
+    issue, n = traces.unit_gap(measured, predicted, at="issue")
     assert n == 3 and issue == pytest.approx(0.1)  # median of 0, 0.1, 0.3
-    done, _ = selfcheck.unit_gap(measured, predicted, at="completion")
+    done, _ = traces.unit_gap(measured, predicted, at="completion")
     assert done == pytest.approx(0.2)  # unit 0 completes with its last piece: 0.2, 0.2, 0.1
-    assert done == selfcheck.unit_gap(measured, predicted)[0]  # completion, as before
-    assert selfcheck.gap_text(measured, predicted).endswith(
+    assert done == traces.unit_gap(measured, predicted)[0]  # completion, as before
+    assert traces.gap_text(measured, predicted).endswith(
         "issue 10.0%, completion 20.0% (3 units)")
     pieces = _pieces("measured", [(0, 0.3, 0.6), (0, 0.2, 0.4)])  # a unit in two pieces
     whole = _pieces("simulated", [(0, 0.2, 0.6)])
-    assert selfcheck.unit_gap(pieces, whole, at="issue") == (0.0, 1)  # its first issue
-    assert selfcheck.unit_gap(pieces, whole) == (0.0, 1)  # its last completion
+    assert traces.unit_gap(pieces, whole, at="issue") == (0.0, 1)  # its first issue
+    assert traces.unit_gap(pieces, whole) == (0.0, 1)  # its last completion
     with pytest.raises(ValueError, match="at='start'"):
-        selfcheck.unit_gap(measured, predicted, at="start")
+        traces.unit_gap(measured, predicted, at="start")
 
 
 def _write_trace(folder: Path, source: str, backward_end_s: float,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,42 @@ def _show(value: object, width: int = 60) -> str:
     """`value` as JSON writes it, cut to `width` characters."""
     text = json.dumps(value)
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def unit_gap(measured: Timeline, predicted: Timeline, *,
+             after_backward: bool = False, at: str = "completion") -> tuple[float, int]:
+    """Median absolute difference of each unit's completion (`at="issue"`: of its issue)
+    from its iteration's start (`after_backward`: from the end of its backward, which
+    leaves the compute's error out), as a share of the measured iteration, over the units
+    both traced iterations hold (issued in them); and their number (NaN, 0 when none).
+    A unit traced in pieces is issued with its first and completed with its last."""
+    if at not in ("issue", "completion"):
+        raise ValueError(f"at={at!r}: it must be 'issue' or 'completion'")
+
+    def times(tl: Timeline) -> dict[int, float]:
+        back = [b.end_s for b in tl.bars if b.lane == "compute" and b.name == "backward"
+                and b.start_s <= tl.length_s]
+        zero = max(back, default=0.0) if after_backward else 0.0
+        per: dict[int, list[float]] = {}
+        for b in tl.bars:
+            if b.lane == "comm" and "unit" in b.args and 0 <= b.start_s <= tl.length_s:
+                per.setdefault(b.args["unit"], []).append(b.start_s if at == "issue"
+                                                          else b.end_s)
+        pick = min if at == "issue" else max
+        return {u: pick(times) - zero for u, times in per.items()}
+
+    m, p = times(measured), times(predicted)
+    gaps = [abs(m[u] - p[u]) / measured.length_s for u in m.keys() & p.keys()]
+    return (statistics.median(gaps) if gaps else float("nan")), len(gaps)
+
+
+def gap_text(measured: Timeline, predicted: Timeline) -> str:
+    """The units' issue and completion gaps (unit_gap) as one phrase, e.g. "per unit,
+    median |measured - predicted| as a share of the measured iteration: issue 3.0%,
+    completion 5.0% (46 units)"."""
+    issue, n = unit_gap(measured, predicted, at="issue")
+    done, _ = unit_gap(measured, predicted)
+    if not n:
+        return "no unit issued in both traced iterations"
+    return ("per unit, median |measured - predicted| as a share of the measured iteration: "
+            f"issue {100 * issue:.1f}%, completion {100 * done:.1f}% ({n} units)")

@@ -228,56 +228,17 @@ def _traces(folder: Path) -> dict[tuple, dict[str, traces.Timeline]]:
     return found
 
 
-def unit_gap(measured: traces.Timeline, predicted: traces.Timeline, *,
-             after_backward: bool = False, at: str = "completion") -> tuple[float, int]:
-    """Median absolute difference of each unit's completion (`at="issue"`: of its issue)
-    from its iteration's start (`after_backward`: from the end of its backward, which
-    leaves the compute's error out), as a share of the measured iteration, over the units
-    both traced iterations hold (issued in them); and their number (NaN, 0 when none).
-    A unit traced in pieces is issued with its first and completed with its last."""
-    if at not in ("issue", "completion"):
-        raise ValueError(f"at={at!r}: it must be 'issue' or 'completion'")
-
-    def times(tl: traces.Timeline) -> dict[int, float]:
-        back = [b.end_s for b in tl.bars if b.lane == "compute" and b.name == "backward"
-                and b.start_s <= tl.length_s]
-        zero = max(back, default=0.0) if after_backward else 0.0
-        per: dict[int, list[float]] = {}
-        for b in tl.bars:
-            if b.lane == "comm" and "unit" in b.args and 0 <= b.start_s <= tl.length_s:
-                per.setdefault(b.args["unit"], []).append(b.start_s if at == "issue"
-                                                          else b.end_s)
-        pick = min if at == "issue" else max
-        return {u: pick(times) - zero for u, times in per.items()}
-
-    m, p = times(measured), times(predicted)
-    gaps = [abs(m[u] - p[u]) / measured.length_s for u in m.keys() & p.keys()]
-    return (statistics.median(gaps) if gaps else float("nan")), len(gaps)
-
-
-def gap_text(measured: traces.Timeline, predicted: traces.Timeline) -> str:
-    """The units' issue and completion gaps (unit_gap) as one phrase, e.g. "per unit,
-    median |measured - predicted| as a share of the measured iteration: issue 3.0%,
-    completion 5.0% (46 units)"."""
-    issue, n = unit_gap(measured, predicted, at="issue")
-    done, _ = unit_gap(measured, predicted)
-    if not n:
-        return "no unit issued in both traced iterations"
-    return ("per unit, median |measured - predicted| as a share of the measured iteration: "
-            f"issue {100 * issue:.1f}%, completion {100 * done:.1f}% ({n} units)")
-
-
 def trace_lines(folder: Path) -> list[str]:
     """Per configuration traced both ways: its iterations and the units' issue and
-    completion gaps (unit_gap), the completion's also counted from the end of backward."""
+    completion gaps (traces.unit_gap), the completion's also counted from the end of backward."""
     lines = []
     for key, pair in sorted(_traces(folder).items(), key=str):
         if {"measured", "simulated"} <= pair.keys():
             m, p = pair["measured"], pair["simulated"]
-            late, n = unit_gap(m, p, after_backward=True)
+            late, n = traces.unit_gap(m, p, after_backward=True)
             lines.append(f"trace {' '.join(map(str, key))}: iteration measured "
                          f"{m.length_s * 1e3:.0f} ms, predicted {p.length_s * 1e3:.0f} ms; "
-                         f"{gap_text(m, p)}" + (f"; completion {100 * late:.1f}% counted "
+                         f"{traces.gap_text(m, p)}" + (f"; completion {100 * late:.1f}% counted "
                                                 "from the end of backward" if n else ""))
     return lines
 

@@ -16,7 +16,7 @@ one's `compute` both a CPU (a self-check: a run here and its prediction from the
 measured here) or both a GPU. A CPU run against a GPU prediction differs by orders: each
 panel keeps its own axis and the title says so and why. Where a trace records neither,
 the iteration lengths decide: less than `ORDERS` times apart, one axis. Under the title,
-the units' issue and completion gaps (harness.predict.selfcheck.unit_gap).
+the units' issue and completion gaps (harness.measure.traces.unit_gap).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from matplotlib.figure import Figure  # Figure objects render with Agg; no pyplo
 from matplotlib.patches import Patch
 
 from harness.measure import traces
-from harness.predict.selfcheck import gap_text
 from harness.report.data import ReportError
 
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "synchronize": "#b0b0b0",
@@ -177,7 +176,7 @@ def _heading(shown: list[traces.Timeline], shared: bool) -> str:
     if len(shown) == 1:
         other = "predicted" if a["source"] == "measured" else "measured"
         return f"{first} (no {other} trace found)"
-    return "\n".join([first, _axes_line(shown, shared), gap_text(*shown)])
+    return "\n".join([first, _axes_line(shown, shared), traces.gap_text(*shown)])
 
 
 def figure(shown: list[traces.Timeline]) -> Figure:
