@@ -196,26 +196,20 @@ class Ucx:
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         if tensor.is_cuda:
             return self._device_send(tensor, peer, tag)
-        array = self._array(tensor)
-        request = self.endpoint(peer).tag_send(array, self.api.UCXXTag(ucx_tag(self.rank, tag)))
-        return self.handle(request, (tensor, array), peer, f"a send (tag {tag}) to")
+        return self._send(tensor, self._array(tensor), peer, tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         if tensor.is_cuda:
             return self._device_recv(tensor, peer, tag)
-        array = self._array(tensor)
-        request = self.worker.tag_recv(array, self.api.UCXXTag(ucx_tag(peer, tag)))
-        return self.handle(request, (tensor, array), peer, f"a receive (tag {tag}) from",
-                           lost=lambda: self.lost(peer))
+        return self._recv(tensor, self._array(tensor), peer, tag)
 
     def _device_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         """A device tensor's send: from the GPU where UCX can, else its host copy."""
         if not self.cuda:
             return self.isend(tensor.cpu(), peer, tag)  # copied before it returns
         torch.cuda.current_stream(tensor.device).synchronize()  # its bytes are written
-        array = self.api_array(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        request = self.endpoint(peer).tag_send(array, self.api.UCXXTag(ucx_tag(self.rank, tag)))
-        return self.handle(request, (tensor, array), peer, f"a send (tag {tag}) to")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        return self._send(tensor, self.api_array(data), peer, tag)
 
     def _device_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         """A device tensor's receive: into the GPU where UCX can, else copied in on wait."""
@@ -226,7 +220,16 @@ class Ucx:
             return handle
         if not tensor.is_contiguous():
             raise ValueError("ucx wire: only contiguous tensors can be received")
-        array = self.api_array(tensor.detach().reshape(-1).view(torch.uint8))
+        return self._recv(tensor, self.api_array(tensor.detach().reshape(-1).view(torch.uint8)),
+                          peer, tag)
+
+    def _send(self, tensor: torch.Tensor, array: Any, peer: int, tag: int) -> Handle:
+        """Post `array` (the bytes of `tensor`, kept alive with it) to `peer` on `tag`."""
+        request = self.endpoint(peer).tag_send(array, self.api.UCXXTag(ucx_tag(self.rank, tag)))
+        return self.handle(request, (tensor, array), peer, f"a send (tag {tag}) to")
+
+    def _recv(self, tensor: torch.Tensor, array: Any, peer: int, tag: int) -> Handle:
+        """Post a receive into `array` (the bytes of `tensor`) from `peer` on `tag`."""
         request = self.worker.tag_recv(array, self.api.UCXXTag(ucx_tag(peer, tag)))
         return self.handle(request, (tensor, array), peer, f"a receive (tag {tag}) from",
                            lost=lambda: self.lost(peer))
