@@ -157,13 +157,16 @@ def test_15_a_frozen_rank_under_nccl_is_blamed_not_its_aborted_peer(tmp_path) ->
         assert "rank 1 hung" in text and "SIGABRT" not in text, text
 
 
-def test_16_the_shared_buffer_is_page_locked_while_registered(tmp_path) -> None:
+def test_16_the_shared_buffer_is_page_locked_while_registered() -> None:
     from methods.ps.node import HostStaging
-    from methods.ps.shared import pin, unpin
+    from methods.ps.shared import pin, shm_folder, unpin
 
     numel = 64 << 20  # 256 MB: milliseconds to copy, microseconds to queue
-    path = tmp_path / "shared"
-    shared = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32)
+    path = shm_folder() / f"ddlbench-test16-{os.getpid()}"  # where share() maps it: tmpfs
+    try:                                                    # (CUDA registers no disk file)
+        shared = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32)
+    finally:
+        path.unlink(missing_ok=True)
     flat = torch.arange(numel, dtype=torch.float32, device="cuda")
     pin(shared)
     pinned = shared.is_pinned()

@@ -120,6 +120,11 @@ def test_a_gpu_profile_reads_its_events_after_each_iteration_never_inside(monkey
     assert all(t >= 0 for t in [*steps["backward_s"], steps["update_s"]])
     cpu = trace._measured({}, iters=1, device="cpu")  # the CPU twin: the clock, no event
     assert _Event.made == 50 and cpu["source"] == "measured:cpu"
+    # cluster.device=cuda names no GPU: the current one, by index (GPU checklist step 10,
+    # where torch 2.11's set_device refused torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    trace._measured({}, iters=1, device="cuda")
+    assert chosen[-1] == torch.device("cuda", 0)
 
 
 class _Threads:

@@ -319,17 +319,24 @@ def test_bytescheduler_issues_while_credit_is_left_and_fuses_one_cycle() -> None
 def test_bad_input_is_one_line_before_anything_runs(tmp_path) -> None:
     out = run_module("harness.simulate", "simulate.compute=h100", f"results_dir={tmp_path}")
     assert out.returncode == 2 and "simulate.compute='h100' is unknown" in out.stderr
-    # a network with no facts needs the microbenchmark first, and says how
-    out = run_module("harness.simulate", "network=loopback", f"results_dir={tmp_path}")
+    # a network with no facts needs the microbenchmark first, and says how; a sweep that
+    # also holds a lone worker (which moves nothing) needs it all the same
+    two = ["network=loopback", "cluster.workers_per_node=1,2", "simulate.compute=v100"]
+    out = run_module("harness.simulate", *two, f"results_dir={tmp_path}")
     assert out.returncode == 2
     assert "python -m harness.microbench network=loopback" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+    # a lone worker alone crosses no link (GPU checklist step 10: a 1-GPU prediction)
+    out = run_module("harness.simulate", "network=loopback", "simulate.compute=v100",
+                     f"results_dir={tmp_path / 'lone'}")
+    assert out.returncode == 0, out.stderr
+    assert results.load(tmp_path / "lone").throughput.iloc[0] > 0
     # ... and a measured link no link could have is no measurement
     (tmp_path / "microbench").mkdir()
     pd.DataFrame({"network": ["loopback"], "kind": ["p2p"], "bytes": [1024],
                   "seconds": [4e-5], "alpha_s": [4e-5], "beta_s_per_byte": [-1e-9]}).to_parquet(
         tmp_path / "microbench" / "one-worker.parquet")
-    out = run_module("harness.simulate", "network=loopback", f"results_dir={tmp_path}")
+    out = run_module("harness.simulate", *two, f"results_dir={tmp_path}")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "alpha=4e-05 s and beta=-1e-09 s/byte, which no link has" in out.stderr
 

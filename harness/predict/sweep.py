@@ -23,7 +23,7 @@ from harness.measure import results
 from harness.measure.progress import Progress
 from harness.predict import profile
 from harness.predict.model import Prediction, predict
-from harness.predict.network import Network, network
+from harness.predict.network import Network, moves, network
 from harness.predict.network import key as network_key
 from harness.predict.timeline import predict_traced
 
@@ -70,8 +70,8 @@ def inputs(cfgs: list[Config], *, measured: dict | None = None) -> Inputs:
     profiling; measured compute runs here, one model at a time); `measured`: 1-GPU
     throughputs that calibrate GPUs of the table (profile.ComputeProfiles)."""
     networks: dict[tuple[str, str], Network] = {}
-    for cfg in cfgs:
-        if network_key(cfg) not in networks:
+    for cfg in sorted(cfgs, key=lambda c: not moves(c)):  # a network any configuration
+        if network_key(cfg) not in networks:              # moves over needs its link
             networks[network_key(cfg)] = network(cfg)
     profiles = profile.ComputeProfiles(measured)
     return Inputs(networks, [profiles(cfg) for cfg in cfgs])

@@ -201,6 +201,8 @@ def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: in
 
     where = torch.device(device)
     if where.type == "cuda":
+        if where.index is None:  # "cuda": the current GPU (torch 2.11 refuses no index)
+            where = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(where)  # the events' stream is the current device's
     model, optimizer, batch = plain_training(model_cfg, seed=seed, device=where)
     clock = _stamp if where.type == "cuda" else time.perf_counter
