@@ -42,16 +42,15 @@ for path in sys.argv[1:]:
         print(f"  units: {len(units)}; traced: {traced}")
         continue
     units.sort()
-    fwd = sorted(e["ts"] for e in ev if e.get("cat") == "ddlbench" and e.get("name") == "forward")
     start = traced[0]
-    before = [u for u in units if u[0] < start]
-    nxt = [f for f in fwd if f >= start - 1]
-    if before and nxt:
-        last = max(u[1] for u in before)
-        print(f"  traced iteration starts {start:.0f}; its forward at +{nxt[0]-start:.0f} us; "
-              f"the last unit issued before it done at +{last-start:.0f} us "
-              f"({'overlaps' if last > nxt[0] else 'no overlap'}: forward starts "
-              f"{'before' if last > nxt[0] else 'after'} the last piece is done)")
+    back = [e["ts"] for e in ev if e.get("cat") == "ddlbench" and e.get("name") == "backward"
+            and e["ts"] >= start]
+    earlier = [u for u in units if back and u[0] < back[0]]  # the lead-in's pieces (some are
+    if earlier:                                              # issued after `start`)
+        last = max(u[1] for u in earlier)
+        print(f"  the lead-in iteration's last piece is done {(last - start) / 1e3:+.2f} ms "
+              f"from the traced iteration's start: the next forward "
+              f"{'overlaps it' if last > start else 'starts after it'}")
     gaps = []
     for issue, _, _ in units:
         done = [d for _, d, _ in units if d <= issue]
