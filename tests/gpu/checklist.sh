@@ -23,7 +23,7 @@ byhand() {  # byhand PORT LOG MODULE overrides...: 2 workers (+1 server for PS) 
   local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
   echo "rc=$rc"; tail -n 3 "$log.0"; [ $rc = 0 ] || tail -n 8 "$log".*
 }
-export -f byhand; export PY DEV
+export -f byhand; export PY DEV NOLOCAL
 
 hdr "step 0: environment" > $OUT/a.log
 { $PY - <<'PYEOF'
@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total --format=cs
 # ---------------- phase 1: correctness, lanes in parallel ----------------
 ( hdr "step 4: every method lossless, one GPU worker (+ a CPU server for PS)"
   for m in $METHODS; do echo "$m"; done | xargs -P 3 -I{} bash -c \
-    'x=""; case {} in *_ps) x=method.transport.local_reduce=false;; esac; o=$(timeout -k 5 150 $PY -m harness.verify model=bert_tiny method={} cluster.device=$DEV $x 2>&1); echo "{}: rc=$? $(echo "$o" | grep -E "max_abs_diff|rror" | tail -n 3 | tr "\n" " ")"'
+    'x=""; case {} in *_ps) x=$NOLOCAL;; esac; o=$(timeout -k 5 150 $PY -m harness.verify model=bert_tiny method={} cluster.device=$DEV $x 2>&1); echo "{}: rc=$? $(echo "$o" | grep -E "max_abs_diff|rror" | tail -n 3 | tr "\n" " ")"'
 ) > $OUT/b.log 2>&1 &
 ( hdr "step 3: PS with a GPU worker and a CPU server"
   for m in bsp_ps wfbp_ps bytescheduler_ps; do
