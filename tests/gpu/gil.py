@@ -11,7 +11,7 @@ for line in open(sys.argv[1]):
     threads[frames[0]] += n
     ours = [f for f in frames if "/methods/" in f or "/harness/" in f]
     lines[(frames[0], ours[-1] if ours else frames[-1])] += n
-print(f"{total} samples with the GIL held")
+print(f"{total} samples (with --gil: the GIL held)")
 for thread, n in threads.most_common(12):
     print(f"  {n:6d}  {thread}")
 for (thread, frame), n in lines.most_common(20):
