@@ -2,7 +2,8 @@
 the device idle on every rank at once, and the microbenchmark times the network between
 two nodes, with the link inside a node apart. Issue 38: the simulator's measured profile
 runs process k on GPU k, is refused where the GPUs are too few, and times a GPU by events
-read once the last iteration is queued (GPU checklist step 14); the trace watcher waits on a condition while nothing is pending.
+read once the last iteration is queued (GPU checklist step 14); the trace watcher waits on
+a condition while nothing is pending.
 """
 
 from __future__ import annotations

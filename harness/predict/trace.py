@@ -7,8 +7,8 @@ during backward (backward order, as the methods lay gradients out) and the optim
 step, stamped by a clock: work counted on the meta device (`count_work`, a cache
 miss: FLOPs, and apart from them the bytes that operations without FLOPs move), or
 wall-clock time on this machine's device (`measure`: on a GPU CUDA events, read once
-the last iteration is queued, so nothing waits inside or between iterations; each of several processes on a GPU
-of its own, as the launcher places workers). Each returns
+the last iteration is queued, so nothing waits inside or between iterations; each of
+several processes on a GPU of its own, as the launcher places workers). Each returns
 the fields of profile.Compute as a dict (what the cache keeps). torch, the
 models and the methods' torch side are imported inside the functions, so the predictor
 imports this module without them.

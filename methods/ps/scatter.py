@@ -47,10 +47,9 @@ from methods.ps.wire import (
     CTRL_TAG,
     KEY_TAG,
     LANDED_TAG,
-    PUSH,
-    header,
     naming,
     naming_server,
+    push_header,
     server_name,
 )
 
@@ -105,8 +104,7 @@ def _copy_out(piece: _Piece, *, node: Node, then: Callable[[_Piece], None]) -> N
     staging.to_host(start, end)
     if node.is_root:
         staging.to_host(body, part.end)
-    _finish(staging.mark(back=False), timeout_s=piece.job.timeout_s,
-            what="the copy to the host")
+    _finish(staging.mark(back=False))
     then(piece)
 
 
@@ -121,7 +119,7 @@ def _push(piece: _Piece, *, node: Node, then: Callable[[_Piece], None]) -> None:
     job.at = node.name
     for peer in node.ranks[1:]:
         _hear(node, peer, tag=KEY_TAG + part.key)
-    data, msg = piece.staging.host[part.start : part.end], header(PUSH, [part.key])
+    data, msg = piece.staging.host[part.start : part.end], push_header((part.key,))
     job.at = server_name(part.server, part.key)
     with naming_server(part.server, part.key):
         piece.works += [(wire.isend(msg, part.server, tag=CTRL_TAG), msg),
@@ -178,7 +176,7 @@ def _gather(piece: _Piece, *, node: Node, order: NodeOrder) -> None:
                  after=piece.copied)
     job = piece.job
     if job.back():
-        job.landed = record(job.staging.flat.device)
+        job.landed = record(job.staging.flat.device, blocking=True)
         job.done.set()
 
 
@@ -221,3 +219,4 @@ class ScatterPipeline(_Pipeline):
         """The unit's partitions, in order, to ps-reduce."""
         for part in job.parts:
             self.stages[0].put(_Piece(job, part))
+        self._land(job)

@@ -32,6 +32,7 @@ torch.distributed is up, `close` when the rank is done.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,10 +46,17 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def header(op: int, values: list[int] = (), dtype: int = 0) -> torch.Tensor:
-    msg = torch.zeros(HEADER, dtype=torch.int64)
-    msg[:3] = torch.tensor([op, len(values), dtype])
-    msg[3 : 3 + len(values)] = torch.tensor(list(values), dtype=torch.int64)
-    return msg
+    values = list(values)
+    return torch.tensor([op, len(values), dtype, *values] + [0] * (HEADER - 3 - len(values)),
+                        dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def push_header(keys: tuple[int, ...]) -> torch.Tensor:
+    """PUSH's header for `keys`, made once: a unit's pushes repeat every iteration, and on a
+    GPU the Python a push costs holds back the autograd thread, which needs the GIL too
+    (methods/ps/node.py). Shared, so never written (a send only reads it)."""
+    return header(PUSH, keys)
 
 
 def server_name(server: int, key: int | None = None) -> str:

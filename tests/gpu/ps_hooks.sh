@@ -4,13 +4,13 @@
 # 0.2 ms GIL switch interval; "spy" which threads hold the GIL in a steady wfbp_ps run
 # (py-spy, carried as a wheel); "variants" wfbp_ps with blocking copy waits (NOPOLL) and
 # with 64 MB partitions; "profile" the measured profile's clock (tests/gpu/profile_sync.py);
-# "step14" checklist step 14's one-GPU part.
+# "step14" checklist step 14's one-GPU part; "verify" the PS methods lossless first.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}; DEV=${DEV:-cuda}; OUT=${OUT:-/tmp/gpuout}; R=/tmp/gpuhk
-STEPS=${STEPS:-base switch spy variants profile step14}
+STEPS=${STEPS:-verify base switch spy variants profile step14}
 mkdir -p "$OUT" "$R"; rm -rf "$R"/*
-NOLOCAL=method.transport.local_reduce=false
+export NOLOCAL=method.transport.local_reduce=false PY DEV
 METHODS=${METHODS:-wfbp_a2a bsp_ps wfbp_ps bytescheduler_ps priority_ps}
 ITERS=${ITERS:-30}
 T0=$(date +%s)
@@ -24,6 +24,11 @@ one() {  # one RESULTS METHOD overrides...
 }
 probe() { PYTHONPATH=tests/gpu/probe:${PYTHONPATH:-} "$@"; }
 {
+if want verify; then
+  hdr "the PS methods lossless, one GPU worker and a CPU server (harness.verify)"
+  for m in bsp_ps wfbp_ps bytescheduler_ps priority_ps; do echo $m; done | xargs -P 4 -I{} bash -c \
+    'o=$(timeout -k 5 120 $PY -m harness.verify model=bert_tiny method={} cluster.device=$DEV $NOLOCAL 2>&1); echo "{}: rc=$? $(echo "$o" | grep -E "max_abs_diff|rror" | tail -n 3 | tr "\n" " ")"'
+fi
 if want base; then
   hdr "backward and hook time per method, bert_tiny, one GPU worker (+ a CPU server for PS)"
   for m in $METHODS; do one $R/base $m; done
