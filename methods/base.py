@@ -81,15 +81,10 @@ def start_thread(target: Callable[[], None], *, name: str, device: torch.device,
     return thread
 
 
-def record(device: torch.device, *, blocking: bool = False) -> torch.cuda.Event | None:
+def record(device: torch.device) -> torch.cuda.Event | None:
     """An event at the end of the work queued so far on the current stream (CPU: None,
-    the work is done when its call returns). `blocking`: a thread that synchronizes on it
-    sleeps in CUDA, the GIL released, instead of spinning a core."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(blocking=blocking)
-    event.record(torch.cuda.current_stream(device))
-    return event
+    the work is done when its call returns)."""
+    return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
 
 
 def happened(event: torch.cuda.Event | None) -> bool:

@@ -364,7 +364,7 @@ def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
         seen["threads"].append((name, device, stream))
         return base.start_thread(target, name=name, device=torch.device("cpu"))
 
-    def record(device, blocking=False):
+    def record(device):
         seen["events"] += 1
         return ("event", seen["events"], threading.current_thread().name)
 
@@ -800,44 +800,57 @@ def test_the_shared_buffer_is_registered_with_cuda_while_the_plan_is_open(monkey
         assert cpu.host is log["shared"] and log["cudart"] == []
 
 
-class _SleepyEvent:
-    """A copy's blocking-sync event: synchronize() sleeps until `go` (as CUDA's would, the
-    GIL released); a query, the poll the PS path no longer makes, fails the test."""
+class _SlowEvent:
+    """A copy's event that happens after `polls` queries; synchronizing it spins a core."""
 
-    def __init__(self) -> None:
-        self.go, self.waiters = threading.Event(), []
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
 
     def query(self) -> bool:
-        raise AssertionError("polled: on a GPU each poll takes the GIL the autograd thread needs")
+        self.polls -= 1
+        return self.polls < 0
 
     def synchronize(self) -> None:
-        self.waiters.append(threading.current_thread().name)
-        self.go.wait(5)
+        raise AssertionError("synchronize() busy-waits on a default event")
 
 
-def test_a_unit_lands_asleep_on_its_copys_event_never_polled() -> None:
+def test_a_unit_lands_by_polling_its_copys_event_not_spinning(monkeypatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(base.time, "sleep", pauses.append)
     job = ps._Exchange(_parts(), staging=ps.HostStaging(torch.zeros(8)), ready=None,
                        timeout_s=5)
-    job.landed = event = _SleepyEvent()
+    job.landed = _SlowEvent(30)
     job.done.set()
-    landing = threading.Thread(target=ps._arrive, args=(job,), name="ps-landed")
-    landing.start()
-    time.sleep(0.05)
-    assert not job.finished() and event.waiters == ["ps-landed"]
-    event.go.set()
-    job.complete()  # returns once ps-landed has seen the copy end, not before
-    landing.join(5)
-    assert job.finished() and event.waiters == ["ps-landed"]
-    copy = _SleepyEvent()
-    copy.go.set()
-    ps._finish(copy)  # the copy-out's wait for its copy: asleep too
-    assert copy.waiters == [threading.current_thread().name]
-    stuck = ps._Exchange(_parts(), staging=ps.HostStaging(torch.zeros(8)), ready=None,
-                         timeout_s=0.01)
-    stuck.landed = _SleepyEvent()  # landed, but ps-landed never saw its copy end
-    stuck.done.set()
+    job.complete()
+    assert len(pauses) == 30 and max(pauses) <= base.POLL_MAX_S
+    job.landed = _SlowEvent(10**9)
+    job.timeout_s = 0.01
+    monkeypatch.setattr(base.time, "sleep", time.sleep)
     with pytest.raises(TimeoutError, match="the unit's copy back to the device timed out"):
-        stuck.complete()
+        job.complete()
+
+
+class _CopyEvent:
+    """A copy's event: counts synchronize() calls; a query (a poll) fails the test."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        raise AssertionError("polled: on a GPU each poll takes the GIL the autograd thread "
+                             "needs")
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_a_stage_thread_waits_for_its_copy_in_cuda_never_polling(monkeypatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(base.time, "sleep", pauses.append)
+    copy = _CopyEvent()
+    ps._finish(copy)
+    ps._finish(None)  # the CPU twin: nothing was copied, nothing to wait for
+    assert copy.synchronized == 1 and pauses == []
 
 
 def test_the_nodes_communicators_are_made_from_the_main_thread_in_one_order(

@@ -89,8 +89,7 @@ def test_the_plan_viewer_prints_and_writes_the_plan(tmp_path) -> None:
     # the worker's pipeline: a thread per stage (nodes of one worker: the root path's)
     assert "PS pipeline (root path, 1 worker(s) a node)" in out.stdout, out.stdout
     assert [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ps-")] \
-        == ["ps-reduce", "ps-copy-out", "ps-push", "ps-pull", "ps-copy-in", "ps-broadcast",
-            "ps-landed"]
+        == ["ps-reduce", "ps-copy-out", "ps-push", "ps-pull", "ps-copy-in", "ps-broadcast"]
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["cluster"]["servers"] == 4 and len(data["units"]) == 161
     assert data["units"][-1]["priority"] == 0  # the input side goes first under priority

@@ -12,11 +12,11 @@ gradients through page-locked host memory (`HostStaging`, made by `node_staging`
 on streams of their own: on the root path the root's pinned mirror of the flat buffer
 (only the root pushes and pulls, so only it has one), on the scatter path the node's shared
 buffer, registered with CUDA while the plan is open. On CPU the flat buffer is its own
-mirror and nothing is copied. Host threads wait for a copy asleep in CUDA with the GIL
-released (`_finish`), as BytePS's copy loops wait in cudaStreamSynchronize: never by
-polling, for on a GPU the autograd thread needs the GIL for every gradient hook and every
-Python-visible tensor it frees, and each poll would hold it back (an H100's bert_tiny
-backward: 18.6 ms polled, 13.8 ms asleep, 4.3 ms with no pipeline running).
+mirror and nothing is copied. A stage thread waits for its copy in CUDA with the GIL
+released (`_finish`), as BytePS's copy loops wait in cudaStreamSynchronize, not by polling
+the event: on a GPU the autograd thread needs the GIL for every gradient hook and every
+Python-visible tensor it frees, and each poll held it back (an H100's bert_tiny wfbp_ps
+backward: 18.6 ms polled, 13.8 ms waited in CUDA; bsp_ps, nothing running: 4.3 ms).
 
 `_Pipeline` is one plan's stage threads (methods/ps/stages.py), as BytePS's core loops; on
 the root path, for each unit (`_Exchange`) put to it:
@@ -29,9 +29,7 @@ the root path, for each unit (`_Exchange`) put to it:
    whatever its order (Gloo's point-to-point handles tell completion only in `wait`);
 5. ps-copy-in (root): each partition back to the device as it lands, on the way-back stream;
 6. ps-broadcast: per unit, in unit order (the node's order), once all its partitions are
-   back, the root's broadcast inside the node; then the unit has landed;
-7. ps-landed (GPU): per unit, in unit order, asleep until the device has run its copies
-   back (and broadcast), so that `_Exchange.complete` waits on a flag, never polls.
+   back, the root's broadcast inside the node; then the unit has landed.
 
 So a unit's reduce overlaps the copy of the one before, and a partition's copy back starts
 when its pull completes. Neither the gradient hooks nor the compute stream wait for any of
@@ -48,7 +46,7 @@ from contextlib import nullcontext
 
 import torch
 
-from methods.base import record, side_stream, wait_for
+from methods.base import happened, poll_until, record, side_stream, wait_for
 from methods.layout import Part
 from methods.ps import wire
 from methods.ps.order import BROADCAST, REDUCE, Node, NodeOrder
@@ -115,7 +113,7 @@ class HostStaging:
             return None
         with self.side():
             self.host[start:end].copy_(self.flat[start:end], non_blocking=True)
-        return _mark(self.out)
+        return self.out.record_event()
 
     def to_device(self, start: int, end: int) -> None:
         """Queue the copy of [start, end) back to the device, on the way back."""
@@ -129,7 +127,7 @@ class HostStaging:
         """The event of the end of everything queued so far on the way back (or out)."""
         if not self.on_device:
             return None
-        return _mark(self.back if back else self.out)
+        return (self.back if back else self.out).record_event()
 
     def order_after(self, event: torch.cuda.Event | None) -> None:
         """Work queued on the caller's current stream from now on runs after `event`."""
@@ -149,18 +147,11 @@ def node_staging(flat: torch.Tensor, *, node: Node, scatter: bool,
     return HostStaging(flat, mirror=node.is_root)
 
 
-def _mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """A blocking-sync event at the end of the work queued so far on `stream`."""
-    event = torch.cuda.Event(blocking=True)
-    event.record(stream)
-    return event
-
-
 def _finish(event: torch.cuda.Event | None) -> None:
-    """Return once `event` (a blocking-sync one: `_mark`, `record(blocking=True)`) has
-    happened, asleep in CUDA with the GIL released (CPU: None, nothing to wait for). No
-    timeout: only stage threads wait here, and a copy that never ends is reported by the
-    unit's waiter, whose wait times out (`_Exchange`), and by `stop`."""
+    """A stage thread's wait for its copy: return once `event` has happened (CPU: None,
+    nothing to wait for), waiting in CUDA with the GIL released, as BytePS's copy loops do
+    (module docstring; it may spin a core meanwhile, as theirs). No timeout: a copy that
+    never ends is reported by the unit's waiter, whose wait times out (`_Exchange`)."""
     if event is not None:
         event.synchronize()
 
@@ -175,7 +166,7 @@ class _Exchange:
     """
 
     __slots__ = ("parts", "staging", "ready", "reduced", "landed", "done", "error", "at",
-                 "timeout_s", "left", "copied", "copied_event", "arrived")
+                 "timeout_s", "left", "copied", "copied_event")
 
     def __init__(self, parts: list[Part], *, staging: HostStaging,
                  ready: torch.cuda.Event | None, timeout_s: float) -> None:
@@ -189,7 +180,6 @@ class _Exchange:
         self.left = len(parts)  # partitions not back yet (one stage thread counts them)
         self.copied = threading.Event()  # root path: every partition back (or failed)
         self.copied_event: torch.cuda.Event | None = None
-        self.arrived = threading.Event()  # GPU: `landed` has happened (ps-landed)
 
     @property
     def key(self) -> int:
@@ -207,7 +197,6 @@ class _Exchange:
         self.error = exc
         self.done.set()
         self.copied.set()
-        self.arrived.set()
 
     def wait(self) -> None:
         self._landed()
@@ -215,12 +204,12 @@ class _Exchange:
 
     def complete(self) -> None:
         self._landed()
-        if self.landed is not None and not self.arrived.wait(self.timeout_s):
-            raise TimeoutError(f"the unit's copy back to the device timed out: not complete "
-                               f"within {self.timeout_s:g} s")
+        if self.landed is not None:  # the caller's wait must time out: polled
+            poll_until(self.landed.query, timeout_s=self.timeout_s,
+                       what="the unit's copy back to the device")
 
     def finished(self) -> bool:
-        return self.done.is_set() and (self.landed is None or self.arrived.is_set())
+        return self.done.is_set() and happened(self.landed)
 
     def _landed(self) -> None:
         if not self.done.wait(self.timeout_s):
@@ -331,16 +320,8 @@ def _broadcast(job: _Exchange, *, node: Node, order: NodeOrder | None) -> None:
         job.at = node.name
         order.run(BROADCAST, job.chunk(), after=job.copied_event, key=job.key,
                   timeout_s=job.timeout_s)
-    job.landed = record(job.staging.flat.device, blocking=True)
+    job.landed = record(job.staging.flat.device)
     job.done.set()
-
-
-def _arrive(job: _Exchange) -> None:
-    """Stage 7 (GPU), in unit order: once the unit has landed, asleep until the device has
-    run what `landed` marks; then `complete` returns."""
-    if job.done.wait(job.timeout_s) and job.error is None:
-        _finish(job.landed)
-    job.arrived.set()
 
 
 class _Pipeline:
@@ -351,16 +332,10 @@ class _Pipeline:
     def __init__(self, servers: list[int], node: Node, *, trace: list | None = None) -> None:
         self.node, self.servers, self.trace = node, servers, trace
         self.order = NodeOrder(node) if node.size > 1 else None
-        self.landing = self._stage(_arrive, "ps-landed", "ps-pull")  # queues nothing
         self.stages = self._stages()
 
     def _stage(self, step: Callable, name: str, role: str, threads: int = 1) -> Stage:
         return Stage(step, name=name, role=role, threads=threads, trace=self.trace)
-
-    def _land(self, job: _Exchange) -> None:
-        """On a GPU, `job` to ps-landed (its thread starts with the first)."""
-        if job.staging.on_device:
-            self.landing.put(job)
 
     def _stages(self) -> list[Stage]:
         """The stages, in a unit's order through them; the first takes `put`'s units."""
@@ -381,11 +356,10 @@ class _Pipeline:
     def put(self, job: _Exchange) -> None:
         self.stages[0].put(job)
         self.broadcast.put(job)  # in unit order: it waits there until the unit is back
-        self._land(job)
 
     def stop(self, timeout_s: float) -> None:
         """Let everything queued through (nothing is left behind), then end the threads."""
-        for stage in [*self.stages, self.landing]:
+        for stage in self.stages:
             stage.stop(timeout_s)
         if self.order is not None:
             self.order.stop(timeout_s)

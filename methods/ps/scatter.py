@@ -176,7 +176,7 @@ def _gather(piece: _Piece, *, node: Node, order: NodeOrder) -> None:
                  after=piece.copied)
     job = piece.job
     if job.back():
-        job.landed = record(job.staging.flat.device, blocking=True)
+        job.landed = record(job.staging.flat.device)
         job.done.set()
 
 
@@ -219,4 +219,3 @@ class ScatterPipeline(_Pipeline):
         """The unit's partitions, in order, to ps-reduce."""
         for part in job.parts:
             self.stages[0].put(_Piece(job, part))
-        self._land(job)

@@ -6,9 +6,6 @@ from __future__ import annotations
 PULL_WAITERS = 8  # the root's pulls waited on at once: they land in any order within these
 ORDERS = {"scatter": "ps-reduce's partition order and the root's landing order",
           "root": "ps-reduce's unit order, ps-broadcast in unit order"}
-# a GPU's last stage: it sleeps in CUDA, so that a unit's `complete` never polls
-LANDED = ("ps-landed", "GPU, per unit in unit order: asleep until its copies back have run",
-          "every worker")
 # (thread, what it runs per item, who runs it); the order of a partition's way through
 STAGES = {
     "scatter": [
@@ -24,7 +21,6 @@ STAGES = {
          "every worker"),
         ("ps-gather", "per partition, in landing order: all-gather (leftover: broadcast)",
          "every worker"),
-        LANDED,
     ],
     "root": [
         ("ps-reduce", "per unit: reduce to the node's root", "every worker"),
@@ -34,7 +30,6 @@ STAGES = {
          "root: PULL_WAITERS threads"),
         ("ps-copy-in", "per partition, in landing order: host -> device", "root"),
         ("ps-broadcast", "per unit, in unit order: broadcast from the root", "every worker"),
-        LANDED,
     ],
 }
 

@@ -120,7 +120,10 @@ PYEOF
   if command -v py-spy > /dev/null; then  # carried as a wheel (tests/README.md)
     hdr "the PS hooks' cost: who holds the GIL during a GPU wfbp_ps run (py-spy --gil)"
     timeout -k 5 60 $PY -m harness.run model=bert_tiny method=wfbp_ps $NOLOCAL run.repeats=1 run.warmup_iters=5 run.timed_iters=2000 results_dir=$R/gil > /dev/null 2>&1 &
-    sleep 25; W=$(pgrep -f "harness.launch.rank harness.measure.bench" | sort -n | head -1)
+    W=""; for _ in $(seq 60); do  # once its PS threads run (imports take about 20 s there)
+      sleep 1; W=${W:-$(pgrep -f "harness.launch.rank harness.measure.bench" | sort -n | head -1)}
+      [ -n "$W" ] && py-spy dump --pid "$W" 2>/dev/null | grep -q "ps-push" && break
+    done
     timeout 30 py-spy record --gil --threads --rate 500 --duration 10 -f raw -o $R/gil.txt -p "$W" 2>&1 | tail -n 1
     $PY tests/gpu/gil.py $R/gil.txt; pkill -f "results_dir=$R/gil"
   fi

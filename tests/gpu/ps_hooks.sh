@@ -2,13 +2,13 @@
 # The PS methods' gradient hooks on a GPU (tests/README.md, the open question), in steps
 # chosen by STEPS: "base" backward and hook time per method alone; "switch" again with a
 # 0.2 ms GIL switch interval; "spy" which threads hold the GIL in a steady wfbp_ps run
-# (py-spy, carried as a wheel); "variants" wfbp_ps with blocking copy waits (NOPOLL) and
-# with 64 MB partitions; "profile" the measured profile's clock (tests/gpu/profile_sync.py);
+# (py-spy, carried as a wheel); "ab" the copy waits polled (before) or in CUDA, interleaved
+# rounds; "profile" the measured profile's clock (tests/gpu/profile_sync.py);
 # "step14" checklist step 14's one-GPU part; "verify" the PS methods lossless first.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}; DEV=${DEV:-cuda}; OUT=${OUT:-/tmp/gpuout}; R=/tmp/gpuhk
-STEPS=${STEPS:-verify base switch spy variants profile step14}
+STEPS=${STEPS:-verify base switch spy ab profile step14}
 mkdir -p "$OUT" "$R"; rm -rf "$R"/*
 export NOLOCAL=method.transport.local_reduce=false PY DEV
 METHODS=${METHODS:-wfbp_a2a bsp_ps wfbp_ps bytescheduler_ps priority_ps}
@@ -58,12 +58,24 @@ if want spy && command -v py-spy > /dev/null; then
   cp $R/spy--*.txt $OUT/ 2>/dev/null
   pkill -f "results_dir=$R/spy"; wait
 fi
-if want variants; then
-  hdr "wfbp_ps: as is; copy waits blocking (NOPOLL); 64 MB partitions"
-  one $R/var wfbp_ps
-  NOPOLL=1 probe one $R/nopoll wfbp_ps
-  one $R/big wfbp_ps method.transport.partition_bytes=64000000
-  $PY tests/gpu/rows.py $R/var $R/nopoll $R/big
+if want ab; then
+  hdr "A/B in ${ROUNDS:=3} interleaved rounds: copy waits polled (POLLED=1, before) or in CUDA"
+  for r in $(seq $ROUNDS); do
+    for m in ${AB_METHODS:-wfbp_ps bytescheduler_ps}; do
+      POLLED=1 probe one $R/ab_polled $m; probe one $R/ab_cuda $m
+    done
+  done
+  $PY - $R/ab_polled $R/ab_cuda <<'PYEOF'
+import sys
+from harness.measure import results
+for folder in sys.argv[1:]:
+    df = results.load(folder)
+    for m, g in df.groupby("method"):
+        b, t = 1e3 * g.backward_s, g.throughput
+        print(f"{folder.rsplit('/', 1)[-1]:10s} {m:17s} backward median {b.median():6.2f} ms "
+              f"[{b.min():.2f}-{b.max():.2f}]  throughput {t.median():7.1f} [{t.min():.1f}-"
+              f"{t.max():.1f}] samples/s  n={len(g)}")
+PYEOF
 fi
 if want profile; then
   hdr "the measured profile's clock: events read each iteration or at the end, plain loop"

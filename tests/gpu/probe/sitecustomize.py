@@ -1,7 +1,7 @@
 """Probes of the PS hooks' cost on a GPU (tests/gpu/ps_hooks.sh), each off unless its
 variable is set: SWITCH_S, the GIL switch interval (sys.setswitchinterval; CPython's
-default 5 ms); NOPOLL=1, the PS pipeline's copy waits (methods/ps/node.py `_finish`) block
-in event.synchronize(), which releases the GIL, instead of polling the event."""
+default 5 ms); POLLED=1, the PS stage threads' copy waits (methods/ps/node.py `_finish`)
+poll the event as they did before 2026-11-26 instead of waiting in CUDA."""
 import importlib.abc
 import importlib.machinery
 import os
@@ -11,27 +11,28 @@ if os.environ.get("SWITCH_S"):
     sys.setswitchinterval(float(os.environ["SWITCH_S"]))
 
 
-def _blocking_finish(event, *, timeout_s, what):
+def _polled_finish(event):
+    from methods.base import poll_until
+
     if event is not None:
-        event.synchronize()
+        poll_until(event.query, timeout_s=300, what="the copy")
 
 
 class _Patch(importlib.abc.MetaPathFinder):
-    """Once methods.ps.node is loaded, its `_finish` (and scatter's copy) block instead."""
+    """Once methods.ps.node (or .scatter) is loaded, its `_finish` polls instead."""
 
     def find_spec(self, name, path, target=None):
         if name not in ("methods.ps.node", "methods.ps.scatter"):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        loader = spec.loader
-        run = loader.exec_module
+        run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            module._finish = _blocking_finish
-        loader.exec_module = exec_module
+            module._finish = _polled_finish
+        spec.loader.exec_module = exec_module
         return spec
 
 
-if os.environ.get("NOPOLL"):
+if os.environ.get("POLLED"):
     sys.meta_path.insert(0, _Patch())
