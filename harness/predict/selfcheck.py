@@ -213,7 +213,8 @@ def _panel(ax, rows: pd.DataFrame) -> None:
     ax.set_xticks(range(len(clusters)), [f"{n} nodes x {w}" for n, w in clusters])
     ax.set_ylabel("samples/s")
     ax.margins(y=0.15)
-    ax.legend(fontsize=7, ncols=min(len(methods), 9), loc="upper left")
+    ax.legend(fontsize=7, ncols=min(len(methods), 9), loc="upper center",
+              bbox_to_anchor=(0.5, -0.12))  # below the cluster names, clear of the errors
 
 
 def _traces(folder: Path) -> dict[tuple, dict[str, traces.Timeline]]:
