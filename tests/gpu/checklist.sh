@@ -117,16 +117,8 @@ PYEOF
   TAILN=4 run 90 $PY -m harness.run model=bert_tiny method=priority_ps $NOLOCAL run.repeats=1 run.warmup_iters=5 run.timed_iters=5 run.trace=true results_dir=$R/s11b | grep -v "^\[step11"
   timeout 60 $PY -m harness.run model=bert_tiny method=priority_ps $NOLOCAL run.repeats=1 run.warmup_iters=2 run.timed_iters=2 results_dir=$R/s11c 2>&1 | grep "step11 thread" | sort | uniq
   $PY tests/gpu/streams.py $R/s11a/traces/*.json $R/s11b/traces/*.json
-  if command -v py-spy > /dev/null; then  # carried as a wheel (tests/README.md)
-    hdr "the PS hooks' cost: who holds the GIL during a GPU wfbp_ps run (py-spy --gil)"
-    timeout -k 5 60 $PY -m harness.run model=bert_tiny method=wfbp_ps $NOLOCAL run.repeats=1 run.warmup_iters=5 run.timed_iters=2000 results_dir=$R/gil > /dev/null 2>&1 &
-    W=""; for _ in $(seq 60); do  # once its PS threads run (imports take about 20 s there)
-      sleep 1; W=${W:-$(pgrep -f "harness.launch.rank harness.measure.bench" | sort -n | head -1)}
-      [ -n "$W" ] && py-spy dump --pid "$W" 2>/dev/null | grep -q "ps-push" && break
-    done
-    timeout 30 py-spy record --gil --threads --rate 500 --duration 10 -f raw -o $R/gil.txt -p "$W" 2>&1 | tail -n 1
-    $PY tests/gpu/gil.py $R/gil.txt; pkill -f "results_dir=$R/gil"
-  fi
+  # the PS hooks' cost: who holds the GIL in a GPU wfbp_ps run (py-spy, carried as a wheel)
+  command -v py-spy > /dev/null && OUT=$OUT STEPS=spy bash tests/gpu/ps_hooks.sh
 ) > $OUT/f.log 2>&1 &
 while [ -n "$(jobs -r)" ] && [ $(( $(date +%s) - T0 )) -lt $P1 ]; do sleep 2; done
 [ -n "$(jobs -r)" ] && { echo "phase 1 cut at ${P1}s: $(jobs -r)" >> $OUT/a.log; pkill -9 -f "harness\.|pytest|xargs" ; }

@@ -42,9 +42,11 @@ fi
 if want spy && command -v py-spy > /dev/null; then
   hdr "py-spy on a steady wfbp_ps worker: --gil 5 s, --idle 5 s, two native dumps"
   (ITERS=100000 one $R/spy wfbp_ps > /dev/null) &
-  W=""; for _ in $(seq 60); do
-    sleep 1; W=${W:-$(pgrep -f "harness.launch.rank harness.measure.bench" | sort -n | head -1)}
-    [ -n "$W" ] && py-spy dump --pid "$W" 2>/dev/null | grep -q "ps-push" && break
+  W=""; for _ in $(seq 60); do  # this run's worker, once its PS threads run (imports: ~20 s)
+    sleep 1
+    for p in $(pgrep -f "results_dir=$R/spy" | xargs -r -n 1 pgrep -P); do
+      py-spy dump --pid "$p" 2>/dev/null | grep -q "ps-push" && { W=$p; break 2; }
+    done
   done
   sleep 2; echo "worker pid $W, threads up at t+$(( $(date +%s) - T0 ))s"
   for how in --gil --idle; do
