@@ -22,7 +22,7 @@ from methods.costmodel import Cost
 from tests.conftest import run_module
 
 LINK = Cost(1e-4, 1e-9)  # a fast link: the cores, not the wire, bound these iterations
-CPU = Cost(2e-3, 50e-9)  # CPU seconds of all processes per all-reduce / round trip
+CPU = Cost(2e-3, 50e-9)  # the machine's CPU seconds per all-reduce / round trip
 NBYTES = 10_000_000      # one tensor: 2.5 PS partitions of 4,096,000 bytes
 
 
@@ -80,18 +80,15 @@ def test_a_gpu_network_or_counted_compute_gets_no_stretch() -> None:
         assert "comm_cpu_s" not in model.predict(cfg, c, shaped).plan
 
 
-def test_the_cpu_clock_reads_another_process() -> None:
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
-    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"])
-    try:
-        deadline = time.monotonic() + 20
-        while (spent := microbench.cpu_seconds([child.pid])) < 0.3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert 0.3 <= spent < 0.3 + 2.0  # its burn and its start-up, not ours
-    finally:
-        child.kill()
-        child.wait()
-    assert math.isnan(microbench.cpu_seconds([child.pid]))  # ended: not readable
+def test_the_cpu_clock_counts_another_process_and_not_idle_time() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    before, start = microbench.busy_seconds(), time.monotonic()
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    spent = microbench.busy_seconds() - before
+    assert spent >= 0.5 - 0.02  # its burn (less a tick of each core's clock), not ours only
+    time.sleep(1.0)  # idle: a core sleeping adds nothing
+    wall = time.monotonic() - start
+    assert microbench.busy_seconds() - before < wall * checks.cores()
 
 
 def _table(folder: Path, name: str, **cpu: float) -> None:
@@ -123,13 +120,14 @@ def test_microbench_rows_carry_the_cpu_of_every_process(results_dir) -> None:
     frame = pd.read_parquet(next((results_dir / results.OTHER_DATA).glob("*.parquet")))
     assert {"cpu_s", "cpu_alpha_s", "cpu_s_per_byte"} <= set(frame.columns)
     assert set(frame.kind) >= {"p2p", "allreduce", "ps", "ps_flight"}
-    assert (frame.cpu_s > 0).all() and frame.cpu_s.notna().all(), frame
+    # ticks of the machine's clock: a short window reads none, or one (the fit averages them)
+    assert (frame.cpu_s >= 0).all() and frame.cpu_s.notna().all(), frame
     assert frame.cpu_s_per_byte.notna().all() and frame.cpu_alpha_s.notna().all()
     # summing and moving 64 MiB takes far more CPU than any size up to 16 KiB (tens of ms
     # against a few at most: the small sizes' CPU is mostly the other threads' noise, and
     # on a loaded machine 1 KiB once read 2.8 ms against 4 MiB's 5.6)
     ar = frame[frame.kind == "allreduce"].set_index("bytes").cpu_s
     assert ar[67108864] > 4 * ar[ar.index <= 16384].max(), ar
-    assert "the CPU of all processes" in out.stdout
+    assert "the machine's CPU" in out.stdout
     cfg = config.load(["cluster.nodes=2", f"results_dir={results_dir}"], simulate=True)
     assert {k for k, _ in network.network(cfg).cpu} >= {("allreduce", (2, 1)), ("ps", (2, 1))}

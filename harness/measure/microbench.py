@@ -2,14 +2,16 @@
 measures): timed point-to-point transfers and all-reduces per message size, the fitted
 alpha + beta * bytes, the table and the parquet file rank 0 writes.
 
-Beside each time, the CPU it took (`cpu_s`): the CPU seconds every process of the run
-(workers and servers, all their threads) spent over the timed rounds, per operation, read
-by rank 0 from each process's CPU clock after the warm-up and at the end (first messages
-set up buffers and connections); fitted like the times
-(`cpu_alpha_s`, `cpu_s_per_byte`). CPU time is what the communication takes from the
-run's compute where they share cores (harness/predict/cpushare.py); unlike the wall time it
-hardly depends on what else loads the machine. NaN where rank 0 cannot read every rank's
-clock (ranks on other hosts). Tables older than these columns load without them."""
+Beside each time, the CPU it took (`cpu_s`): the CPU seconds the machine was busy (all
+cores: user, system, irq and softirq time) over the timed rounds, per operation, read by
+rank 0 after the warm-up and at the end (first messages set up buffers and connections);
+fitted like the times (`cpu_alpha_s`, `cpu_s_per_byte`). CPU time is what the
+communication takes from the run's compute where they share cores
+(harness/predict/cpushare.py). The machine's clock, not the ranks' own: on a shaped link
+(tc tbf) most of a packet's kernel work runs in softirq context, on the qdisc's watchdog
+timer and in ksoftirqd, charged to no process (harness/predict/README.md measured it), so
+what else runs on the machine counts too: measure on a quiet machine. NaN where a rank
+runs on another host. Tables older than these columns load without them."""
 
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
     the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do),
     or `over_wire`: host tensors over the PS wire (methods/ps/wire.py, cluster.ps_wire),
     as pushes and pulls travel; other ranks return 0 at once. Beside it, the CPU seconds
-    of the run's processes (`cpu`, rank 0's clock) per one-way message, after the warm-up."""
+    (`cpu`, rank 0's clock) per one-way message, after the warm-up."""
     device = torch.device("cpu") if over_wire else device
     send, recv = (_wire_send, _wire_recv) if over_wire else (_dist_send, _dist_recv)
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -110,32 +112,32 @@ def _wire_recv(buf: torch.Tensor, peer: int) -> None:
 
 def cpu_clock(rank: int) -> Callable[[], float]:
     """Every rank of the run calls it (an object gather on the default group, servers
-    included): on rank 0, a clock of the CPU seconds all the run's processes have spent so
-    far (each process's CPU clock: all its threads, live and ended), NaN when a rank runs on
-    another host or its clock cannot be read; on the others, a clock of NaN."""
-    seats: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seats, (socket.gethostname(), os.getpid()))
-    if rank != 0:
-        return lambda: math.nan
-    here = socket.gethostname()
-    pids = [pid for host, pid in seats if host == here]
-    return (lambda: math.nan) if len(pids) < len(seats) else lambda: cpu_seconds(pids)
+    included): on rank 0, `busy_seconds` where every rank runs on this host, else a clock
+    of NaN; on the others, a clock of NaN."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = rank == 0 and all(host == socket.gethostname() for host in hosts)
+    return busy_seconds if here else lambda: math.nan
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """The CPU seconds these processes have spent (Linux's per-process CPU clock,
-    MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) of include/linux/posix-timers.h), NaN when
-    one cannot be read (ended, or not this machine's)."""
+def busy_seconds() -> float:
+    """The CPU seconds this machine's cores have been busy since boot (/proc/stat's first
+    line: user, nice, system, irq, softirq and steal time), NaN where there is no
+    /proc/stat. Sampled in ticks (1/CLK_TCK s, each the state the core was in): a window of
+    a few ms reads none or a whole tick, without bias, so the fit over sizes averages it."""
     try:
-        return sum(time.clock_gettime(((~pid) << 3) | 2) for pid in pids)
+        with open("/proc/stat") as f:
+            ticks = f.readline().split()[1:9]
     except OSError:
         return math.nan
+    return sum(int(t) for i, t in enumerate(ticks) if i not in (3, 4)) / os.sysconf(
+        "SC_CLK_TCK")  # 3, 4: idle and iowait
 
 
 def metered_allreduce(cpu: Callable[[], float], group: dist.ProcessGroup | None, numel: int,
                       *, repeats: int, device: torch.device) -> tuple[float, float]:
-    """`time_allreduce`'s median seconds, and the CPU seconds of the run's processes
-    (`cpu`) per all-reduce over its warm-up and timed ones, after a warm-up of its own."""
+    """`time_allreduce`'s median seconds, and the CPU seconds (`cpu`) per
+    all-reduce over its warm-up and timed ones, after a warm-up of its own."""
     dist.all_reduce(torch.zeros(numel, device=device), group=group)
     before = cpu()
     seconds = time_allreduce(group, numel, repeats=repeats, device=device)
@@ -201,6 +203,6 @@ def table(frame: pd.DataFrame) -> str:
         a, b = part.alpha_s.iloc[0], part.beta_s_per_byte.iloc[0]
         ca, cb = part.cpu_alpha_s.iloc[0], part.cpu_s_per_byte.iloc[0]
         lines.append(f"{kind}: alpha={a * 1e6:.1f} us, beta={b * 1e9:.4f} ns/byte "
-                     f"({8 / b / 1e9 if b else float('inf'):.3f} Gbit/s); the CPU of all "
-                     f"processes {ca * 1e6:.1f} us + {cb * 1e9:.4f} ns/byte")
+                     f"({8 / b / 1e9 if b else float('inf'):.3f} Gbit/s); the machine's CPU "
+                     f"{ca * 1e6:.1f} us + {cb * 1e9:.4f} ns/byte")
     return "\n".join(lines)

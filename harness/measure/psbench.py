@@ -24,8 +24,8 @@ through that thread; what each costs there beyond its bytes is the in-order path
 partition cost (harness/predict/psqueues.py). Sizes of the flight stop at FLIGHT_MAX_BYTES
 (a 100 Mb/s link moves 16 x 256 KiB from 2 roots in about 0.7 s). Both fitted to alpha +
 beta * bytes like the links; each row names the PS wire it used (`ps_wire`). Beside the
-seconds, the CPU seconds all the run's processes (the roots, the other workers, the
-servers: every thread) spent per round trip, or per partition of the flight (`cpu_s`, read
+seconds, the CPU seconds the machine was busy (the roots, the other workers, the servers,
+and the kernel's work for their messages) per round trip, or per partition of the flight (`cpu_s`, read
 by rank 0 on microbench's clock over the timed rounds): what the PS path takes from
 compute where the run shares cores (harness/predict/cpushare.py).
 """
@@ -60,7 +60,7 @@ def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
                 ) -> list[tuple[str, str, int, float, float]]:
     """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds, CPU
     seconds) per size, of the round trip (`ps`) and of the flight (`ps_flight`, a
-    partition's share of both); `cpu`: the run's processes' CPU seconds so far (rank 0)."""
+    partition's share of both); `cpu`: microbench's CPU clock (rank 0)."""
     target = server_ranks(ctx.num_workers)[0]
     numels = [max(1, n // 4) for n in sizes]
     flown = [(i, numel) for i, (n, numel) in enumerate(zip(sizes, numels))
@@ -92,7 +92,7 @@ def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
            repeats: int, cpu: Callable[[], float]) -> tuple[float, float]:
     """Median seconds, over `repeats` rounds after a warm-up, of the roots' one header and
     a push and pull per key, the pulls waited in posting order (rank 0's clock); and the
-    CPU seconds of the run's processes (`cpu`) per round over those rounds."""
+    CPU seconds (`cpu`) per round over those rounds."""
     data = [torch.ones(numel) for _ in keys]
     answers = [torch.empty(numel) for _ in keys]
     samples, spent = [], math.nan

@@ -6,8 +6,8 @@ networks) runs every process on the same cores: the workers' compute, their comm
 threads and Gloo's, the parameter servers' receive threads, sums and answers. The compute
 profile (profile.py) times the W worker processes at once and nothing else, so the CPU the
 communication burns is not in it. `harness.microbench` measures that CPU (harness/measure/
-microbench.py, psbench.py): the CPU seconds all the run's processes spend per all-reduce
-and per PS round trip of one partition, each fitted alpha + beta * bytes (links.Measured's
+microbench.py, psbench.py): the CPU seconds the machine is busy per all-reduce and per PS
+round trip (the ranks' threads and the kernel's softirq work a shaped link puts on no rank) of one partition, each fitted alpha + beta * bytes (links.Measured's
 `cpu`, per kind and shape, carried by network.Network's `cpu`).
 
 The model: the cores are a resource no iteration outruns. An iteration's compute keeps

@@ -14,7 +14,7 @@ is the server's handling, on the shape measured; a unit's partitions in flight
 (`kind=ps_flight`) give what each costs on the server's in-order stream
 (psqueues.ParameterServers). Both are the wire's they ran on (`ps_wire`, gloo in tables
 older than the column): a run on another wire does not take them. Beside each time, the
-CPU seconds all the run's processes spent on it (`cpu`: the all-reduce and the PS round
+CPU seconds the machine was busy on it (`cpu`: the all-reduce and the PS round
 trip and flight per shape, fitted alpha + beta * bytes), where the newest microbenchmark
 of the shape measured it (tables older than the columns have none): what communication
 takes from compute on shared cores (harness/predict/cpushare.py)."""
@@ -45,7 +45,7 @@ class Measured:
     ps: dict[Shape, Cost] = field(default_factory=dict)  # a push/pull round trip (psbench)
     # a unit's partitions in flight (psbench): a partition's share, and how many flew
     ps_flight: dict[Shape, tuple[Cost, int]] = field(default_factory=dict)
-    # CPU seconds of all the run's processes per operation, by (kind, shape): `allreduce`
+    # CPU seconds the machine was busy per operation, by (kind, shape): `allreduce`
     # of the shape's microbenchmark, `ps` and `ps_flight` of the wire's
     cpu: dict[tuple[str, Shape], Cost] = field(default_factory=dict)
 
