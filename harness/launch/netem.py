@@ -16,6 +16,7 @@ from collections.abc import Sequence
 IFNAME = "eth0"  # the host's interface inside its namespace
 SUBNET = "10.231.0"  # private addresses that exist only on the run's own bridge
 PREFIX = "dlb"
+MIN_BURST_KB = 96  # a token bucket's least size in KiB: more than one GSO packet (__init__)
 
 
 def _ip(*args: str) -> None:
@@ -33,9 +34,13 @@ class EmulatedNetwork:
         if hosts > 250:
             raise ValueError(f"{hosts} emulated hosts do not fit one /24 subnet; use at most 250")
         self.hosts, self.rate_mbit = hosts, rate_mbit
-        # the bucket holds 0.5 ms of tokens (at least 64 kB): a fixed 64 kB burst caps a
-        # veth at ~3 Gbit/s here, whatever the rate
-        self.burst_kb = max(64, round((rate_mbit or 0) * 1e6 / 8 * 5e-4 / 1024))
+        # the bucket holds 0.5 ms of tokens (a fixed 64 kB burst caps a veth at ~3 Gbit/s
+        # here, whatever the rate), and at least one whole GSO packet: 64 KiB of payload
+        # with each segment's headers is about 68.5 KiB, and tbf cuts a packet larger than
+        # its bucket into MTU-sized ones in software (tbf_segment), which kept a core busy
+        # in softirq per link sending at 1 Gbit/s here (1.06 cores with 64 KiB and 66 KiB,
+        # 0.16-0.18 with 72-96 KiB; harness/predict/README.md)
+        self.burst_kb = max(MIN_BURST_KB, round((rate_mbit or 0) * 1e6 / 8 * 5e-4 / 1024))
         self.token = uuid.uuid4().hex[:6]
         self.bridge = f"{PREFIX}{self.token}br"
         self._made: list[tuple[str, ...]] = []  # undo commands, newest last
