@@ -4,7 +4,6 @@ as a real run writes them and as older tables lack them, and no floor off this m
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import time

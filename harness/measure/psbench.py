@@ -25,9 +25,9 @@ partition cost (harness/predict/psqueues.py). Sizes of the flight stop at FLIGHT
 (a 100 Mb/s link moves 16 x 256 KiB from 2 roots in about 0.7 s). Both fitted to alpha +
 beta * bytes like the links; each row names the PS wire it used (`ps_wire`). Beside the
 seconds, the CPU seconds the machine was busy (the roots, the other workers, the servers,
-and the kernel's work for their messages) per round trip, or per partition of the flight (`cpu_s`, read
-by rank 0 on microbench's clock over the timed rounds): what the PS path takes from
-compute where the run shares cores (harness/predict/cpushare.py).
+and the kernel's work for their messages) per round trip, or per partition of the flight
+(`cpu_s`, read by rank 0 on microbench's clock over the timed rounds): what the PS path
+takes from compute where the run shares cores (harness/predict/cpushare.py).
 """
 
 from __future__ import annotations

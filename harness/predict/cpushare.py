@@ -7,8 +7,9 @@ threads and Gloo's, the parameter servers' receive threads, sums and answers. Th
 profile (profile.py) times the W worker processes at once and nothing else, so the CPU the
 communication burns is not in it. `harness.microbench` measures that CPU (harness/measure/
 microbench.py, psbench.py): the CPU seconds the machine is busy per all-reduce and per PS
-round trip (the ranks' threads and the kernel's softirq work a shaped link puts on no rank) of one partition, each fitted alpha + beta * bytes (links.Measured's
-`cpu`, per kind and shape, carried by network.Network's `cpu`).
+round trip of one partition (the ranks' threads and the kernel's softirq work for their
+packets, which no rank is charged with), each fitted alpha + beta * bytes
+(links.Measured's `cpu`, per kind and shape, carried by network.Network's `cpu`).
 
 The model: the cores are a resource no iteration outruns. An iteration's compute keeps
 `busy` cores busy for the profile's compute time (busy = min(cores, W x threads): the
