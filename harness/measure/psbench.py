@@ -21,8 +21,11 @@ the server reads each worker's messages on one thread, in order, and on Gloo a m
 moves only once its receive is posted (Gloo's rendezvous: the receiver's "ready" goes
 back over the pair's one connection), so the partitions of a unit follow one another
 through that thread; what each costs there beyond its bytes is the in-order path's per
-partition cost (harness/predict/psqueues.py). Sizes of the flight stop at FLIGHT_MAX_BYTES
-(a 100 Mb/s link moves 16 x 256 KiB from 2 roots in about 0.7 s). Both fitted to alpha +
+partition cost (harness/predict/psqueues.py). Sizes of the flight go up to the methods'
+partition (FLIGHT_MAX_BYTES, 4 MiB against methods/layout.py's 4,096,000 bytes): on 2 x 1
+eth1g a partition in flight cost 22.7 ns a byte at 4 MiB, where the fit up to 256 KiB said
+19.5, and a `bsp_ps` run's 4 MB partitions took the former (harness/predict/README.md). A
+100 Mb/s link moves 16 x 4 MiB from 2 roots in about 11 s a round. Both fitted to alpha +
 beta * bytes like the links; each row names the PS wire it used (`ps_wire`). Beside the
 seconds, the CPU seconds the machine was busy (the roots, the other workers, the servers,
 and the kernel's work for their messages) per round trip, or per partition of the flight
@@ -47,7 +50,7 @@ from methods.ps.transport import server_ranks, stop_servers
 from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
 
 FLIGHT = 16                  # partitions of one unit in flight (at most HEADER - 3 a header)
-FLIGHT_MAX_BYTES = 1 << 18   # the largest partition size flown
+FLIGHT_MAX_BYTES = 1 << 22   # the largest partition size flown: the methods' partition
 
 
 def server(ctx: Context) -> None:
