@@ -32,6 +32,7 @@ torch.distributed is up, `close` when the rank is done.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,9 +83,28 @@ CPU = torch.device("cpu")
 
 
 class Gloo:
-    """torch.distributed's point-to-point calls on the default group (Gloo between hosts)."""
+    """torch.distributed's point-to-point calls over Gloo (TCP between hosts).
+
+    Started (`timeout_s` given, collectively on every rank), each direction between two
+    ranks has a TCP connection of its own: messages to a higher rank go on one Gloo group,
+    to a lower rank on another. Gloo sends a message only once its receiver has posted
+    the receive and said so (NOTIFY_RECV_READY), and that word queues on the pair's one
+    connection behind every byte already queued the other way (gloo/transport/tcp/pair.cc:
+    one FIFO of writes a pair). On one connection a server's "ready for your next push"
+    waited behind its pulls to that worker, and a worker's "ready for the pull" behind its
+    pushes, so pushes and pulls took turns on a full-duplex link (harness/predict/README.md,
+    "Gloo's words behind the data"). On two, a connection carries data one way only and its
+    other way only those words. Not started: the default group, both ways."""
 
     name = "gloo"
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.rank, self.up, self.down = None, None, None
+        if timeout_s is not None:
+            timeout = dt.timedelta(seconds=timeout_s)
+            self.rank = dist.get_rank()
+            self.up = dist.new_group(backend="gloo", timeout=timeout)    # to a higher rank
+            self.down = dist.new_group(backend="gloo", timeout=timeout)  # to a lower rank
 
     @staticmethod
     def transports() -> list[str]:
@@ -94,13 +114,13 @@ class Gloo:
     def close() -> None:
         pass
 
-    @staticmethod
-    def isend(tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        return dist.isend(tensor, dst=peer, tag=tag)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        group = None if self.rank is None else self.up if peer > self.rank else self.down
+        return dist.isend(tensor, dst=peer, tag=tag, group=group)
 
-    @staticmethod
-    def irecv(tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, src=peer, tag=tag)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        group = None if self.rank is None else self.up if self.rank > peer else self.down
+        return dist.irecv(tensor, src=peer, tag=tag, group=group)
 
 
 _wire = Gloo()
@@ -118,12 +138,13 @@ def current():
 
 def start(name: str, *, store, rank: int, timeout_s: float,
           device: torch.device = CPU) -> None:
-    """Use wire `name` (WIRES) in this process from now on. "ucx": a UCX worker whose
-    address goes to `store` (the run's) for the peers; a wait past `timeout_s` fails."""
+    """Use wire `name` (WIRES) in this process from now on, every rank at once. "gloo": its
+    two groups, one a direction (`Gloo`); "ucx": a UCX worker whose address goes to `store`
+    (the run's) for the peers. A wait past `timeout_s` fails."""
     if name not in WIRES:
         raise ValueError(f"ps wire {name!r} is unknown; choose one of: {', '.join(WIRES)}")
     if name == "gloo":
-        use(Gloo())
+        use(Gloo(timeout_s))
         return
     from methods.ps.ucx import Ucx
 
