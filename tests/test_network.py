@@ -69,6 +69,54 @@ def test_a_shaped_link_keeps_no_core_busy_cutting_packets() -> None:
     assert cores < 0.7, f"{cores:.2f} cores busy while 1 Gbit/s went over the link"
 
 
+# A worker posts 16 pulls and pushes at once; a server takes the pushes one at a time, as
+# its stream does, answering each. Prints the seconds on one connection, then on two.
+EXCHANGE = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist
+    from methods.ps import wire
+    rank, peer = int(sys.argv[1]), 1 - int(sys.argv[1])
+    dist.init_process_group("gloo", init_method=f"tcp://{sys.argv[2]}:29591", rank=rank,
+                            world_size=2)
+    chunks = [torch.ones(1 << 18) for _ in range(16)]  # 1 MiB each
+    def exchange(w):
+        dist.barrier(); start = time.perf_counter()
+        if rank == 0:
+            works = [w.irecv(torch.empty_like(c), peer, 1000 + i) for i, c in enumerate(chunks)]
+            works += [w.isend(c, peer, 100 + i) for i, c in enumerate(chunks)]
+        else:
+            works = []
+            for i, c in enumerate(chunks):
+                w.irecv(c, peer, 100 + i).wait()
+                works.append(w.isend(c, peer, 1000 + i))
+        for work in works: work.wait()
+        dist.barrier(); return time.perf_counter() - start
+    shared, split = wire.Gloo(), wire.Gloo(timeout_s=60)
+    times = [(exchange(shared), exchange(split)) for _ in range(2)]
+    if rank == 0: print(min(a for a, _ in times), min(b for _, b in times))
+    dist.destroy_process_group()
+""")
+
+
+def test_pushes_and_pulls_share_a_link_at_once_on_the_started_gloo_wire() -> None:
+    """Gloo sends once the receiver said it is ready, a word that waits on the pair's one
+    connection behind the data queued the other way: a server's next "ready" behind its
+    last answer, so pushes and pulls took turns. The started wire sends each direction on
+    a connection of its own (methods/ps/wire.py `Gloo`)."""
+    with netem.EmulatedNetwork(hosts=2, rate_mbit=200) as net:
+        def rank(r: int) -> subprocess.Popen:
+            env = {**os.environ, **net.environment(r), "PYTHONPATH": str(REPO)}
+            return subprocess.Popen(net.command(r, [sys.executable, "-c", EXCHANGE, str(r),
+                                                    net.address(0)]),
+                                    env=env, stdout=subprocess.PIPE, text=True)
+        ranks = [rank(0), rank(1)]
+        out = ranks[0].communicate(timeout=120)[0]
+        assert ranks[1].wait(timeout=60) == 0 and ranks[0].returncode == 0
+    shared, split = map(float, out.split())
+    one_way = 16 * (1 << 20) * 8 / 200e6  # the pushes at the link's rate
+    assert split > 0.8 * one_way, f"{split:.3f} s: the link is not limiting ({one_way:.3f} s)"
+    assert split < 0.75 * shared, f"a connection a direction {split:.3f} s, one {shared:.3f} s"
+
+
 def test_network_is_removed_after_an_error() -> None:
     with pytest.raises(RuntimeError), netem.EmulatedNetwork(hosts=3, rate_mbit=100) as net:
         assert len(netem.leftovers(net.token)) == 1 + 3 + 3  # bridge, namespaces, veths
