@@ -257,10 +257,10 @@ def _live_pipeline_threads() -> list[str]:
 def test_ps_pipeline_posts_header_before_data_per_server_and_stops(monkeypatch) -> None:
     log: list = []
 
-    def isend(tensor, *, dst, tag):
+    def isend(tensor, *, dst, tag, group=None):
         return _Message(log, "send", tensor, dst, tag)
 
-    def irecv(tensor, *, src, tag):
+    def irecv(tensor, *, src, tag, group=None):
         tensor.add_(100.0)  # the server's answer
         return _Message(log, "recv", tensor, src, tag)
 
@@ -288,7 +288,7 @@ def test_ps_pipeline_posts_header_before_data_per_server_and_stops(monkeypatch) 
 
 
 def test_ps_pipeline_errors_surface_on_the_caller_naming_the_server(monkeypatch) -> None:
-    def isend(tensor, *, dst, tag):
+    def isend(tensor, *, dst, tag, group=None):
         raise RuntimeError("Connection closed by peer\nmore detail")
 
     monkeypatch.setattr(ps_order.dist, "isend", isend)
@@ -475,9 +475,9 @@ def test_the_next_forward_waits_for_its_layers_update_event(monkeypatch) -> None
 
 def test_ps_threads_start_on_their_jobs_device(monkeypatch) -> None:
     monkeypatch.setattr(ps_order.dist, "isend",
-                        lambda tensor, *, dst, tag: _Message([], "s", tensor, dst, tag))
+                        lambda tensor, *, dst, tag, group=None: _Message([], "s", tensor, dst, tag))
     monkeypatch.setattr(ps_order.dist, "irecv",
-                        lambda tensor, *, src, tag: _Message([], "r", tensor, src, tag))
+                        lambda tensor, *, src, tag, group=None: _Message([], "r", tensor, src, tag))
     with _cuda_faked(monkeypatch, ps_stages) as seen:
         staging = ps.HostStaging(torch.zeros(8))
         pipeline = _pipeline()
