@@ -67,6 +67,26 @@ def test_communications_cpu_stretches_an_iteration_on_shared_cores() -> None:
             assert pred.throughput < bare.throughput
 
 
+def test_a_node_of_several_workers_adds_its_own_part_of_each_partition() -> None:
+    """2 nodes x 2: the roots' round trip per partition, and the node's collectives and
+    copies on the path the method takes (none where workers push for themselves)."""
+    c, parts = _compute(), 3
+    node = Cost(1e-3, 10e-9)
+    net = network.Network("test", LINK, LINK, "ring", False, cpu=(
+        (("ps", (2, 2)), CPU), (("node_scatter", (2, 2)), node),
+        (("node_root", (2, 2)), Cost(0.0, 30e-9))))
+    trip = parts * CPU.alpha + CPU.beta * NBYTES
+    for overrides, extra in (((), parts * node.alpha + node.beta * NBYTES),
+                             (("method.transport.node_reduce=root",), 30e-9 * NBYTES),
+                             (("method.transport.local_reduce=false",), 0.0)):
+        cfg = _cfg("bsp_ps", "cluster.nodes=2", "cluster.workers_per_node=2", *overrides)
+        pred = model.predict(cfg, c, net)
+        assert pred.plan["comm_cpu_s"] == pytest.approx(trip + extra), overrides
+    older = network.Network("test", LINK, LINK, "ring", False, cpu=((("ps", (2, 2)), CPU),))
+    cfg = _cfg("bsp_ps", "cluster.nodes=2", "cluster.workers_per_node=2")
+    assert model.predict(cfg, c, older).plan["comm_cpu_s"] == pytest.approx(trip)
+
+
 def test_a_gpu_network_or_counted_compute_gets_no_stretch() -> None:
     c = _compute()
     for overrides in (["network=eth10_tcp"], ["simulate.compute=rtx2080ti"],
@@ -111,22 +131,27 @@ def test_older_microbenchmarks_load_without_the_cpu_columns(tmp_path: Path) -> N
 
 
 def test_microbench_rows_carry_the_cpu_of_every_process(results_dir) -> None:
-    """2 local nodes x 1 with a PS method: workers and servers, all on this machine."""
-    out = run_module("harness.microbench", "cluster.nodes=2", "method=bsp_ps",
+    """2 local nodes x 2 with a PS method: workers and servers, all on this machine."""
+    out = run_module("harness.microbench", "cluster.nodes=2", "cluster.workers_per_node=2",
+                     "method=bsp_ps",
                      "microbench.min_bytes=1024", "microbench.max_bytes=67108864",
                      "microbench.repeats=2", f"results_dir={results_dir}")
     assert out.returncode == 0, out.stderr[-3000:]
     frame = pd.read_parquet(next((results_dir / results.OTHER_DATA).glob("*.parquet")))
     assert {"cpu_s", "cpu_alpha_s", "cpu_s_per_byte"} <= set(frame.columns)
-    assert set(frame.kind) >= {"p2p", "allreduce", "ps", "ps_flight"}
+    assert set(frame.kind) >= {"p2p", "p2p_intra", "allreduce", "ps", "ps_flight",
+                               "node_scatter", "node_root"}
     # ticks of the machine's clock: a short window reads none, or one (the fit averages them)
     assert (frame.cpu_s >= 0).all() and frame.cpu_s.notna().all(), frame
     assert frame.cpu_s_per_byte.notna().all() and frame.cpu_alpha_s.notna().all()
     # summing and moving 64 MiB takes far more CPU than any size up to 16 KiB (tens of ms
     # against a few at most: the small sizes' CPU is mostly the other threads' noise, and
     # on a loaded machine 1 KiB once read 2.8 ms against 4 MiB's 5.6)
-    ar = frame[frame.kind == "allreduce"].set_index("bytes").cpu_s
-    assert ar[67108864] > 4 * ar[ar.index <= 16384].max(), ar
+    for kind in ("allreduce", "node_scatter"):  # the node's part: 64 MiB summed and copied
+        cpu = frame[frame.kind == kind].set_index("bytes").cpu_s
+        assert cpu[67108864] > 4 * cpu[cpu.index <= 16384].max(), (kind, cpu)
     assert "the machine's CPU" in out.stdout
-    cfg = config.load(["cluster.nodes=2", f"results_dir={results_dir}"], simulate=True)
-    assert {k for k, _ in network.network(cfg).cpu} >= {("allreduce", (2, 1)), ("ps", (2, 1))}
+    cfg = config.load(["cluster.nodes=2", "cluster.workers_per_node=2",
+                       f"results_dir={results_dir}"], simulate=True)
+    assert {k for k, _ in network.network(cfg).cpu} >= {
+        (kind, (2, 2)) for kind in ("allreduce", "ps", "node_scatter", "node_root")}

@@ -166,6 +166,9 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     if ctx.num_servers:  # a PS method: round trip and flight through the real server (psbench)
         rows += psbench.round_trips(ctx, sizes(cfg), repeats=repeats,
                                     per_node=cfg.cluster.workers_per_node, cpu=cpu)
+        if ctx.node_groups:  # the node's own part around each push and pull
+            rows += psbench.node_paths(ctx, sizes(cfg), repeats=repeats,
+                                       per_node=cfg.cluster.workers_per_node, cpu=cpu)
     if ctx.rank == 0:
         frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds", "cpu_s"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,

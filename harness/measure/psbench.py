@@ -31,10 +31,19 @@ seconds, the CPU seconds the machine was busy (the roots, the other workers, the
 and the kernel's work for their messages) per round trip, or per partition of the flight
 (`cpu_s`, read by rank 0 on microbench's clock over the timed rounds): what the PS path
 takes from compute where the run shares cores (harness/predict/cpushare.py).
+
+Where nodes have several workers, the node's own part of a partition's way around the push
+and pull, every node at once (`node_paths`): `node_scatter` the scatter path's (methods/ps/
+scatter.py: the reduce-scatter, this worker's slice copied out to the node's buffer and
+back, the all-gather), `node_root` the root path's (the reduce to the root, its broadcast),
+each through the node's groups as the methods issue them (methods/ps/order.py `Node`).
+Nothing crosses the network there; the CPU it burns is what the round trip's roots-only
+clock leaves out.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -45,12 +54,14 @@ import torch.distributed as dist
 
 from harness.launch.rank import Context
 from methods.ps import wire
+from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node
 from methods.ps.server import serve
 from methods.ps.transport import server_ranks, stop_servers
 from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
 
 FLIGHT = 16                  # partitions of one unit in flight (at most HEADER - 3 a header)
 FLIGHT_MAX_BYTES = 1 << 22   # the largest partition size flown: the methods' partition
+COPY = -1                    # a step of the node's part: the slice out and back
 
 
 def server(ctx: Context) -> None:
@@ -98,10 +109,8 @@ def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
     CPU seconds (`cpu`) per round over those rounds."""
     data = [torch.ones(numel) for _ in keys]
     answers = [torch.empty(numel) for _ in keys]
-    samples, spent = [], math.nan
-    for i in range(repeats + 1):  # the first round is a warm-up
-        dist.barrier(group=ctx.worker_group)
-        start = time.perf_counter()
+
+    def one() -> None:
         if root:
             works = [wire.isend(header(PUSH, keys), target, tag=CTRL_TAG)]
             for key, push, answer in zip(keys, data, answers):
@@ -109,6 +118,51 @@ def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
                 works.append(wire.irecv(answer, target, tag=KEY_TAG + key))
             for work in works:
                 work.wait()
+    return _metered(ctx, one, repeats, cpu)
+
+
+def node_paths(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
+               cpu: Callable[[], float] = lambda: math.nan
+               ) -> list[tuple[str, str, int, float, float]]:
+    """Every worker's side; (kind, ranks, bytes, median seconds, CPU seconds) per size of
+    the node's part of one partition on each path, `node_scatter` and `node_root` (rank 0's
+    clock; the others' rows are theirs, unused)."""
+    node = Node(ctx.rank, per_node, ctx.node_groups)
+    node.warm_up(torch.device("cpu"))
+    rows = []
+    for nbytes in sizes:
+        ctx.beat(f"the node's part of {nbytes} bytes")
+        chunk = torch.ones(max(per_node, nbytes // 4 // per_node * per_node))
+        shared = torch.empty(chunk.numel() // per_node)  # the node's buffer: this slice
+        for kind, steps in (("node_scatter", (REDUCE_SCATTER, COPY, ALL_GATHER)),
+                            ("node_root", (REDUCE, BROADCAST))):
+            one = functools.partial(_node_part, node, steps, chunk, shared)
+            rows.append((kind, f"nodes-of-{per_node}", nbytes,
+                         *_metered(ctx, one, repeats, cpu)))
+    return rows
+
+
+def _node_part(node: Node, steps: tuple[int, ...], chunk: torch.Tensor,
+               shared: torch.Tensor) -> None:
+    """The node's part of one partition: its collectives, and on the scatter path this
+    worker's slice copied out to the node's buffer and back (COPY)."""
+    for step in steps:
+        if step == COPY:
+            shared.copy_(node.own(chunk))
+            node.own(chunk).copy_(shared)
+        else:
+            node.collective(step, chunk).wait()
+
+
+def _metered(ctx: Context, one: Callable[[], None], repeats: int, cpu: Callable[[], float]
+             ) -> tuple[float, float]:
+    """Median seconds of `one()` on every worker at once, over `repeats` rounds after a
+    warm-up, and the CPU seconds (`cpu`) per round over those rounds."""
+    samples, spent = [], math.nan
+    for i in range(repeats + 1):
+        dist.barrier(group=ctx.worker_group)
+        start = time.perf_counter()
+        one()
         if i:
             samples.append(time.perf_counter() - start)
         else:

@@ -22,10 +22,11 @@ their measured CPU), so
 and the simulated iteration is stretched to that floor where it is shorter. Assumed: the
 cores are shared without idling while any process of the run has work (the floor is then
 reached when the communication's CPU fills what compute leaves), and a message costs the
-CPU it cost alone in the microbenchmark. Not counted: a node's own reduce and broadcast
-around its PS pushes where nodes have several workers (no microbenchmark of it), ByteScheduler's
-fusion of pieces (each piece is one all-reduce here). GPU clusters, counted compute and
-networks that are not this machine's get no floor.
+CPU it cost alone in the microbenchmark. Where nodes have several workers, the node's own
+part of each partition (its collectives and copies on the method's node path, psbench's
+`node_scatter` and `node_root`) is counted beside the round trip, which only the roots
+make. Not counted: ByteScheduler's fusion of pieces (each piece is one all-reduce here).
+GPU clusters, counted compute and networks that are not this machine's get no floor.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from harness.config.frozen import Config
 from harness.config.ranks import num_servers, num_workers, profile_processes, torch_threads
 from harness.predict.network import ELEMENT_SIZE, Network
 from harness.predict.plans import Plan
+from methods.costmodel import Cost
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Share:
 
 
 NONE = Share()  # a run that shares no cores with its communication
+ZERO = Cost(0.0, 0.0)
 
 
 def floor_s(compute_s: float, *, busy: int, cores: int, comm_cpu_s: float) -> float:
@@ -99,14 +102,23 @@ def of(cfg: Config, compute_s: float, plan: Plan, net: Network) -> Share:
 
 def comm_cpu_s(cfg: Config, plan: Plan, net: Network) -> float:
     """CPU seconds of one iteration's messages: each PS partition's round trip through
-    its server (psbench's `ps`), where there are servers; else each unit's, or on one node
-    each PS partition's, all-reduce (`allreduce`) on the shape; NaN where not measured."""
+    its server (psbench's `ps`), where there are servers, and where nodes of several
+    workers reduce locally the node's own part of it on the method's node path
+    (`node_scatter` or `node_root`; nothing where an older microbenchmark has none); else
+    each unit's, or on one node each PS partition's, all-reduce (`allreduce`) on the shape;
+    NaN where not measured."""
     shape = (cfg.cluster.nodes, cfg.cluster.workers_per_node)
     cpu = dict(net.cpu)
     if plan.parts:  # a PS method: partitions through servers, or all-reduced on one node
-        cost = cpu.get(("ps" if plan.servers else "allreduce", shape))
+        costs = [cpu.get(("ps" if plan.servers else "allreduce", shape))]
+        transport = cfg.method.transport
+        if plan.servers and shape[1] > 1 and transport.get("local_reduce", True):
+            costs.append(cpu.get((f"node_{transport.get('node_reduce', 'scatter')}", shape),
+                                 ZERO))
         sizes = [p.numel * ELEMENT_SIZE for ps in plan.parts for p in ps]
     else:
-        cost = cpu.get(("allreduce", shape))
+        costs = [cpu.get(("allreduce", shape))]
         sizes = [u.numel * ELEMENT_SIZE for u in plan.units]
-    return sum(cost.seconds(n) for n in sizes) if cost else math.nan
+    if costs[0] is None:
+        return math.nan
+    return sum(cost.seconds(n) for cost in costs for n in sizes)

@@ -14,9 +14,10 @@ is the server's handling, on the shape measured; a unit's partitions in flight
 (`kind=ps_flight`) give what each costs on the server's in-order stream
 (psqueues.ParameterServers). Both are the wire's they ran on (`ps_wire`, gloo in tables
 older than the column): a run on another wire does not take them. Beside each time, the
-CPU seconds the machine was busy on it (`cpu`: the all-reduce and the PS round
-trip and flight per shape, fitted alpha + beta * bytes), where the newest microbenchmark
-of the shape measured it (tables older than the columns have none): what communication
+CPU seconds the machine was busy on it (`cpu`: the all-reduce, the PS round trip and
+flight, and where nodes have several workers the node's own part of a partition on each
+node path, per shape, fitted alpha + beta * bytes), from the newest microbenchmark of the
+shape that measured it (tables older than the columns have none): what communication
 takes from compute on shared cores (harness/predict/cpushare.py)."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from harness.measure import results
 from methods.costmodel import Cost
 
 Shape = tuple[int, int]  # (nodes, workers per node)
+NODE_KINDS = ("node_scatter", "node_root")  # a node's own part of a partition (psbench)
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class Measured:
     ps: dict[Shape, Cost] = field(default_factory=dict)  # a push/pull round trip (psbench)
     # a unit's partitions in flight (psbench): a partition's share, and how many flew
     ps_flight: dict[Shape, tuple[Cost, int]] = field(default_factory=dict)
-    # CPU seconds the machine was busy per operation, by (kind, shape): `allreduce`
-    # of the shape's microbenchmark, `ps` and `ps_flight` of the wire's
+    # CPU seconds the machine was busy per operation, by (kind, shape): `allreduce` and
+    # the node's part of a partition (NODE_KINDS) of the shape's microbenchmark, `ps` and
+    # `ps_flight` of the wire's
     cpu: dict[tuple[str, Shape], Cost] = field(default_factory=dict)
 
 
@@ -73,16 +76,17 @@ def measured(cfg: Config, *, ps_wire: str = "gloo") -> Measured:
                      if (f.kind == "ps").any()},
                     {shape: (_cost(cfg, folder, f, "ps_flight"), _flown(f)) for shape, f in mine
                      if (f.kind == "ps_flight").any()},
-                    {**_cpu(_shapes(fits), ("allreduce",)), **_cpu(mine, ("ps", "ps_flight"))})
+                    {**_cpu(_shapes(fits), ("allreduce", *NODE_KINDS)),
+                     **_cpu(mine, ("ps", "ps_flight"))})
 
 
 def _cpu(fits: list[tuple[Shape, pd.DataFrame]], kinds: tuple[str, ...]
          ) -> dict[tuple[str, Shape], Cost]:
-    """The CPU fit (`cpu_alpha_s`, `cpu_s_per_byte`) of each of `kinds` in the newest
-    microbenchmark of each shape, where it has a finite one (NaN: not measured there)."""
-    newest = dict(fits)  # oldest first: the newest of a shape wins
+    """The CPU fit (`cpu_alpha_s`, `cpu_s_per_byte`) of each of `kinds` on each shape, from
+    the newest microbenchmark that measured it there with a finite one (`fits` oldest
+    first)."""
     out = {}
-    for shape, fit in newest.items():
+    for shape, fit in fits:
         for kind in kinds:
             rows = fit[fit.kind == kind]
             if rows.empty or "cpu_s_per_byte" not in rows:
