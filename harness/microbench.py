@@ -21,7 +21,9 @@ single node, the link between its first two workers, the only one there is.
 inside a node (ranks 0 and 1). With a PS `method=` (servers exist from 2 nodes on), `ps`
 is a push/pull round trip per size through the real parameter server, every node's root
 pushing, and `ps_flight` 16 partitions of one unit in flight, posted and landed as a PS
-method's node does, a partition's share (harness/measure/psbench.py). `wire` is the `p2p`
+method's node does, a partition's share (harness/measure/psbench.py); where nodes have
+several workers, `node_scatter` and `node_root` time the node's own part of a partition on
+each node path (its collectives and copies, every node at once). `wire` is the `p2p`
 link over the PS wire (`cluster.ps_wire`: gloo or ucx) with host tensors, as pushes and
 pulls travel: run it once with each wire to compare their alpha and beta; the rows'
 `ps_wire` and `ps_wire_transports` say which wire, and which transports UCX picked. Each

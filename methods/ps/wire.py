@@ -115,12 +115,15 @@ class Gloo:
         pass
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        group = None if self.rank is None else self.up if peer > self.rank else self.down
-        return dist.isend(tensor, dst=peer, tag=tag, group=group)
+        return dist.isend(tensor, dst=peer, tag=tag, group=self._group(self.rank, peer))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        group = None if self.rank is None else self.up if self.rank > peer else self.down
-        return dist.irecv(tensor, src=peer, tag=tag, group=group)
+        return dist.irecv(tensor, src=peer, tag=tag, group=self._group(peer, self.rank))
+
+    def _group(self, src: int | None, dst: int | None):
+        """The group of a message from `src` to `dst`: `up` to a higher rank, else `down`
+        (None, the default group, when not started)."""
+        return None if self.rank is None else self.up if dst > src else self.down
 
 
 _wire = Gloo()
