@@ -71,6 +71,7 @@ class HorovodTransport:
     """
 
     ordered = False  # Horovod matches units by name: any issue order is fine
+    coordinated = True  # its coordinator starts a unit once every rank submitted it
     fuses = False  # Horovod's own fusion buffer fuses; a scheduler must not do it again
 
     def __init__(self, *, group: dist.ProcessGroup | None = None,

@@ -37,7 +37,8 @@ matches pieces by name (`ordered = False`): as its ByteScheduler plug-in, rank 0
 the others submit each piece once ready, and Horovod's coordinator keeps rank 0's order.
 PS messages are matched by key, but a partition's pull completes only once every
 worker has pushed it, so workers whose credit windows held different partitions
-could wait for each other forever; one order makes the windows agree.
+could wait for each other forever; one order makes the windows agree, and rank 0's
+credit then bounds every worker's pushes (a PS worker submitting at will pushes at once).
 """
 
 from __future__ import annotations
@@ -109,13 +110,14 @@ class Priority:
                                    scale=transport.scale)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
-        ordered = getattr(transport, "ordered", True)
+        # only Horovod's coordinator holds submitted pieces back (module docstring)
+        coordinated = getattr(transport, "coordinated", False)
         self.role = ("local" if transport.size == 1 else "leader" if transport.rank == 0 else
-                     "follower" if ordered else "submitter")
+                     "submitter" if coordinated else "follower")
         if self.role == "submitter":  # submits at once: rank 0's credit alone holds back
             self.credit = math.inf
         self.order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
-        self.order = self.order(transport.group) if self.order and ordered else None
+        self.order = self.order(transport.group) if self.order and not coordinated else None
         self.cond = threading.Condition()
         self.heap: list[tuple[tuple[int, int], int]] = []  # ready here, by priority
         # GPU: (parameter, its gradient's event), hooked but not yet seen to have happened,

@@ -219,9 +219,13 @@ def _variants(nodes: int) -> list[tuple[str, list[str]]]:
     """wfbp_ps under every combination of the PS switches its defaults and
     bytescheduler_ps do not already run (on one node with node-local aggregation the
     others have no server to act on: that is one combination), and with servers the
-    node's aggregation through the root instead of BytePS's scatter path."""
+    node's aggregation through the root instead of BytePS's scatter path, and priority_ps
+    with every worker pushing (no node collectives to order: its ranks follow rank 0's
+    announcements all the same)."""
     out = [] if nodes == 1 else [("wfbp_ps[node_reduce=root]",
-                                  ["method.transport.node_reduce=root"])]
+                                  ["method.transport.node_reduce=root"]),
+                                 ("priority_ps[local_reduce=false]",
+                                  ["method.transport.local_reduce=false"])]
     for local, rule, sched in SWITCHES:
         if local and (nodes == 1 or rule == "hash"):
             continue
@@ -288,8 +292,7 @@ def _compare(cfg, mine: torch.Tensor, refs: dict, flavor: str, workers: int) -> 
 
 def _summary(plan: dict) -> dict:
     return {"units": len(plan.get("units", [])), "partitions": plan.get("partitions"),
-            "groups": plan.get("groups"), "order": plan.get("order"),
-            "alpha_s": plan.get("alpha_s")}
+            "groups": plan.get("groups"), "alpha_s": plan.get("alpha_s")}
 
 
 def _weak_parts(model: torch.nn.Module, method: methods.Method,
@@ -360,14 +363,15 @@ def _matrix_rank(rank: int, world: int, shape: tuple, port: int, out: str) -> No
         try:
             mine, spread, plan, alive = _train_collector_off(cfg, ctx)
             everyone = [None] * workers
-            dist.all_gather_object(everyone, alive, group=ctx.worker_group)
+            dist.all_gather_object(everyone, (alive, plan.get("order")), group=ctx.worker_group)
         except Exception:  # noqa: BLE001 - recorded; the next job would hang, so stop
             results[f"{name}/{flavor}"] = {"error": traceback.format_exc()}
             break
         if rank == 0:
             results[f"{name}/{flavor}"] = {
                 **_compare(cfg, mine, refs, flavor, workers), "max_rank_diff": spread,
-                "seconds": time.perf_counter() - started, "alive": everyone,
+                "seconds": time.perf_counter() - started, "alive": [a for a, _ in everyone],
+                "orders": [o for _, o in everyone],
                 **_summary(plan)}
     if ctx.num_servers:
         methods.stop_servers(num_workers=workers)
@@ -462,7 +466,9 @@ def test_partitions_really_split_tensors_and_plans_are_recorded(matrix) -> None:
         if name in ("bytescheduler_a2a", "priority_ps"):
             tensors = 62 if flavor == "resnet" else 41  # resnet18; the BERT flavor
             assert got["units"] > tensors, (key, got)
-            assert got["order"] == "leader"  # rank 0 decides the issue order
+            # rank 0 decides the issue order and every other rank follows it, on PS too
+            # (pushing at will, they would bypass rank 0's credit)
+            assert got["orders"] == ["leader"] + ["follower"] * (workers - 1), (key, got)
         if name.endswith("_ps") or name.startswith("wfbp_ps["):
             assert got["partitions"] > 1, (key, got)
         if name == "mgwfbp":
