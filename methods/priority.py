@@ -110,8 +110,7 @@ class Priority:
                                    scale=transport.scale)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
-        # only Horovod's coordinator holds submitted pieces back (module docstring)
-        coordinated = getattr(transport, "coordinated", False)
+        coordinated = getattr(transport, "coordinated", False)  # Horovod's (module docstring)
         self.role = ("local" if transport.size == 1 else "leader" if transport.rank == 0 else
                      "submitter" if coordinated else "follower")
         if self.role == "submitter":  # submits at once: rank 0's credit alone holds back
