@@ -40,7 +40,7 @@ from harness.config.frozen import Config
 from harness.config.ranks import num_servers, num_workers, profile_processes, torch_threads
 from harness.predict.network import ELEMENT_SIZE, Network
 from harness.predict.plans import Plan
-from methods.costmodel import Cost
+from methods.costmodel import FREE
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,6 @@ class Share:
 
 
 NONE = Share()  # a run that shares no cores with its communication
-ZERO = Cost(0.0, 0.0)
 
 
 def floor_s(compute_s: float, *, busy: int, cores: int, comm_cpu_s: float) -> float:
@@ -114,7 +113,7 @@ def comm_cpu_s(cfg: Config, plan: Plan, net: Network) -> float:
         transport = cfg.method.transport
         if plan.servers and shape[1] > 1 and transport.get("local_reduce", True):
             costs.append(cpu.get((f"node_{transport.get('node_reduce', 'scatter')}", shape),
-                                 ZERO))
+                                 FREE))
         sizes = [p.numel * ELEMENT_SIZE for ps in plan.parts for p in ps]
     else:
         costs = [cpu.get(("allreduce", shape))]

@@ -16,7 +16,7 @@ from harness.config.frozen import Config
 from harness.config.ranks import num_servers, num_workers
 from harness.predict import links
 from methods.costmodel import DEFAULT_FIT_SIZES as FIT_SIZES  # elements, as MG-WFBP fits
-from methods.costmodel import Cost, least_squares
+from methods.costmodel import FREE, Cost, least_squares
 
 ELEMENT_SIZE = 4  # fp32 gradients
 # The study's parameter servers, machines of their own (hosts gpu9 and up), assumed of the
@@ -76,8 +76,8 @@ def network(cfg: Config) -> Network:
     except config.ConfigError:
         if moves(cfg):
             raise
-        free = Cost(0.0, 0.0)  # a lone worker crosses no link: none need be measured
-        return Network(net.name, free, free, "ring", False, ps_wire=wire)
+        # a lone worker crosses no link: none need be measured
+        return Network(net.name, FREE, FREE, "ring", False, ps_wire=wire)
     return Network(net.name, link.intra or link.link, link.link, "ring", False,
                    gloo=tuple(link.allreduce.items()), ps=tuple(link.ps.items()),
                    ps_wire=wire, ps_flight=tuple(link.ps_flight.items()),

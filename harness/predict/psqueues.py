@@ -27,7 +27,7 @@ from harness.predict.network import (
     Network,
     stretched,
 )
-from methods.costmodel import Cost
+from methods.costmodel import FREE, Cost
 from methods.ps.server_queue import ThreadBinding
 
 
@@ -54,7 +54,6 @@ PATHS = {
                      (("bus_down", ("copy_in", "all_gather")),), False),
 }
 DEFAULT_PATH = "full"  # what methods/ps/node.py runs (a thread per stage); inorder: before
-NOTHING = Cost(0.0, 0.0)
 
 
 def path_of(cfg: Config) -> NodePath:
@@ -288,12 +287,12 @@ def _handling(net: Network, shape: tuple[int, int], senders: int) -> Cost:
     bytes of `senders` pushes and answers over the server's link; nothing unmeasured."""
     rt = dict(net.ps).get(shape)
     if rt is None:
-        return Cost(0.0, 0.0)
+        return FREE
     return Cost(max(0.0, rt.alpha - 2 * net.inter.alpha),
                 max(0.0, rt.beta - 2 * senders * net.inter.beta))
 
 
-def _stream(net: Network, shape: tuple[int, int], senders: int, handling: Cost = NOTHING
+def _stream(net: Network, shape: tuple[int, int], senders: int, handling: Cost = FREE
             ) -> Cost:
     """A partition's seconds on its server's in-order stream from one node: psbench's
     flight on this shape and wire (K partitions of one unit in flight took K times the
@@ -304,14 +303,13 @@ def _stream(net: Network, shape: tuple[int, int], senders: int, handling: Cost =
     trip. Nothing unmeasured."""
     measured = dict(net.ps_flight).get(shape)
     if measured is None:
-        return Cost(0.0, 0.0)
+        return FREE
     fit, k = measured
     if k < 2:
-        return Cost(0.0, 0.0)
+        return FREE
     alpha = (k * fit.alpha - 2 * net.inter.alpha - handling.alpha) / (k - 1)
     beta = (k * fit.beta - 2 * senders * net.inter.beta - handling.beta) / (k - 1)
-    return Cost(max(0.0, alpha), max(0.0, beta)) if math.isfinite(alpha + beta) else \
-        Cost(0.0, 0.0)
+    return Cost(max(0.0, alpha), max(0.0, beta)) if math.isfinite(alpha + beta) else FREE
 
 
 class _Summing:
