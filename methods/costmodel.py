@@ -27,6 +27,7 @@ class Cost:
 
 FREE = Cost(0.0, 0.0)  # what costs nothing: a link not crossed, a cost not measured
 
+
 def least_squares(nbytes: list[float], seconds: list[float]) -> Cost:
     """The line alpha + beta * nbytes closest to the samples; alpha and beta clamped at 0."""
     if len(nbytes) < 2 or len(set(nbytes)) < 2:

@@ -27,9 +27,9 @@ SHORT = ["model=bert_tiny", "cluster.workers_per_node=2", "run.warmup_iters=5",
 ABORTS = ("terminate called", "Traceback", "core dumped")
 
 
-def sweep(count: int, results_dir: Path, *extra: str) -> tuple[int, list[str]]:
+def sweep(count: int, results_dir: Path, *extra: str) -> tuple[int, list[str], str]:
     """At least `count` runs (whole rounds of every method) as one sweep; how many ran,
-    and the problems seen."""
+    the problems seen, and what the sweep printed."""
     methods = config.choices("method")
     rounds = -(-count // len(methods))
     out = run_module("harness.run", "-m", *SHORT, *extra, f"method={','.join(methods)}",
@@ -41,7 +41,8 @@ def sweep(count: int, results_dir: Path, *extra: str) -> tuple[int, list[str]]:
     if out.returncode != 0 or len(frame) != expected or problems:
         problems.append(f"exit {out.returncode}, {len(frame)} rows of {expected}: "
                         f"{out.stderr[-2000:]}")
-    return expected, problems + [f"{a!r} in the output" for a in ABORTS if a in out.stderr]
+    aborts = [f"{a!r} in the output" for a in ABORTS if a in out.stderr]
+    return expected, problems + aborts, out.stdout
 
 
 def verify(count: int) -> tuple[int, list[str]]:
@@ -66,10 +67,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="ddlbench-soak-") as tmp:
-        kinds = [("local", args.local, lambda n: sweep(n, Path(tmp) / "local")),
+        kinds = [("local", args.local, lambda n: sweep(n, Path(tmp) / "local")[:2]),
                  ("emulated", args.emulated,
                   lambda n: sweep(n, Path(tmp) / "emulated", "cluster=emulated",
-                                  "network=eth1g")),
+                                  "network=eth1g")[:2]),
                  ("verify", args.verify, verify)]
         for name, count, soak in kinds:
             if count <= 0:

@@ -49,18 +49,20 @@ def _assert_no_orphans(frame) -> None:
 
 
 @pytest.fixture(scope="module")
-def every_method(tmp_path_factory) -> pd.DataFrame:
+def every_method(tmp_path_factory) -> tuple[pd.DataFrame, str]:
     """The small soak: one sweep of 2-worker bert_tiny runs, every method once (tests/
-    soak.py's round: 5 warm-up iterations, MG-WFBP profiles 5), none failed or aborted."""
+    soak.py's round: 5 warm-up iterations, MG-WFBP profiles 5), none failed or aborted;
+    its rows and what it printed."""
     folder = tmp_path_factory.mktemp("every_method")
-    runs, problems = soak.sweep(1, folder)
+    runs, problems, stdout = soak.sweep(1, folder)
     assert runs == len(config.choices("method")) and problems == []
-    return results.load(folder)
+    return results.load(folder), stdout
 
 
 @pytest.mark.parametrize("method", config.choices("method"))
-def test_two_worker_run_writes_a_valid_shard(method: str, every_method: pd.DataFrame) -> None:
-    [row] = [r for _, r in every_method.iterrows() if r.method == method]
+def test_two_worker_run_writes_a_valid_shard(method: str, every_method) -> None:
+    frame, stdout = every_method
+    [row] = [r for _, r in frame.iterrows() if r.method == method]
     assert (row.world_size, row.status, row.source) == (2, "ok", "measured")
     assert row.throughput > 0 and row.timed_s > 0
     assert len(row.iter_times_s) == 2 and len(row.rank_iter_times_s) == 2
@@ -99,7 +101,9 @@ def test_two_worker_run_writes_a_valid_shard(method: str, every_method: pd.DataF
         # BSP has no gradient hooks: it gathers the gradients in synchronize
         assert (sum(per_unit) > 0) == (plan["scheduler"] != "after_backward")
     assert isinstance(json.loads(row.comm_env_json), dict)
-    _assert_no_orphans(every_method[every_method.method == method])
+    assert f"{row.run_id} " in stdout or row.run_id in stdout
+    assert "samples/s" in stdout
+    _assert_no_orphans(frame[frame.method == method])
 
 
 def test_repeats_are_separate_shards_and_summary_shows_speedup(results_dir) -> None:
