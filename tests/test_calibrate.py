@@ -163,18 +163,17 @@ def test_fitted_on_one_node_the_study_is_predicted_on_the_others(tmp_path) -> No
            "resnet50 at 4 GPUs)" in out.stdout
     raw, fitted = _figures(out.stdout, "uncalibrated"), _figures(out.stdout, "calibrated")
     assert raw["cells"] == fitted["cells"] == 63
-    # issue 39's median target (4%: 3.5% now); its tau target (0.75) is not reached: 0.67
-    # since the study's networks take NCCL 2.4.8's trees for small all-reduces (a fact of
-    # its init.cc: 0.72 with rings only; WFBP-A2A's many small all-reduces on ResNet-50
-    # then hide entirely, where the study measured them exposed): a guard one pair below
-    # (harness/predict/README.md, the validation)
+    # issue 39's median target (4%: 3.7% now); its tau target (0.75) is not reached: 0.64
+    # since the study's synchronize holds the GIL (0.67 before: ByteScheduler-A2A's fitted
+    # host time, one for three models, fell from 100 to 30 ms; NCCL 2.4.8's trees took it
+    # from 0.72), a guard one pair below (harness/predict/README.md, the validation)
     assert fitted["median_abs_pct_error"] <= 4.0
-    assert fitted["mean_kendall_tau"] >= 0.66
+    assert fitted["mean_kendall_tau"] >= 0.62
     assert raw["median_abs_pct_error"] > fitted["median_abs_pct_error"]
-    # and the uncalibrated model does not regress (6.1% and 0.35 held out; 6.5% and 0.43
-    # with rings only, 6.0% and 0.42 before the study's engines, 5.1% and 0.47 before its
-    # optimizers: harness/predict/README.md says which fact moved it)
-    assert raw["median_abs_pct_error"] <= 6.5 and raw["mean_kendall_tau"] >= 0.33
+    # and the uncalibrated model does not regress (3.8% and 0.51 held out; 6.1% and 0.35
+    # before the synchronize held the GIL, 6.5% and 0.43 with rings only:
+    # harness/predict/README.md says which fact moved it)
+    assert raw["median_abs_pct_error"] <= 4.0 and raw["mean_kendall_tau"] >= 0.48
     # the shard keeps each method's fitted costs and the uncalibrated throughput
     frame = pd.read_parquet(next(tmp_path.glob("sim-*.parquet")))
     assert len(frame) == 3 * 87

@@ -548,3 +548,30 @@ def test_the_simulated_rows_carry_both_rate_statistics() -> None:
     one = cfg("bsp_a2a", "cluster.workers_per_node=2", "run.rate=study")
     r = sweep.row(one, model.predict(one, c, net()), c, run_id="t")
     assert r["throughput"] == r["throughput_window"] == r["throughput_study"] > 0
+
+
+def test_the_studys_synchronize_holds_the_gil_so_no_piece_goes_before_the_backward_ends() -> None:
+    # PyTorch 1.4's torch.cuda.synchronize() waits for the GPU holding the GIL: the plug-in's
+    # poller and core stand still, so the output-side piece, ready halfway through the
+    # backward, starts only once the backward is done (and a switch interval later: the
+    # core then waits for the GIL); without the study's clock, or with a synchronize that
+    # lets the GIL go, it starts halfway
+    c = compute([1_000_000, 1_000_000], [0.05, 0.05])
+    shape = ("cluster.nodes=2", "engine=horovod", "method.scheduler.cycle_s=0",
+             "method.horovod.cycle_time_s=0", "model.optimizer.name=sgd")
+
+    def starts(*overrides: str) -> tuple[list[float], list[float], float]:
+        log: list = []
+        pred = model.predict(cfg("bytescheduler_a2a", *shape, *overrides), c, net(), log=log)
+        backward = [e[3] for e in log if e[:2] == ("compute", "backward")]
+        units = [e[2] for e in log if e[0] == "comm" and e[1].startswith("unit ")]
+        return backward, units, pred.iteration_s
+
+    backward, units, held = starts("run.sync_each_step=device")
+    assert len(units) == 2 * len(backward)  # two pieces an iteration
+    for end, first in zip(backward, units[::2]):
+        assert first == pytest.approx(end + GIL)
+    for clock in ("run.sync_each_step=false", "simulate.engines.sync_holds_gil=false"):
+        backward, units, free = starts("run.sync_each_step=device", clock)
+        assert units[-2] == pytest.approx(backward[-1] - 0.05 + GIL), clock
+        assert free < held, clock

@@ -26,6 +26,11 @@ conf/bench.yaml's `simulate.engines`; the network's start-ups time Horovod's neg
   drop it (take_gil in Python/ceval_gil.h): the core's scheduler thread notified of a
   ready piece or of returned credit (bytecore._loop waits on a condition), the training
   thread woken from a forward lock or from torch.cuda.synchronize() (priority.py).
+- The clock holds the GIL: PyTorch 1.4's torch.cuda.synchronize() calls
+  cudaDeviceSynchronize() without releasing the GIL (torch/csrc/cuda/Module.cpp; released
+  since pytorch/pytorch#109159, 2023), so while the study's step waits for the GPU, the
+  plug-in's Python threads stand still: rank 0's poller sees no ready event and its core
+  submits no piece until the backward is done on the GPU (`sync_holds_gil`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Engine:
     negotiation_s: float         # per cycle of pieces submitted once ready (ByteScheduler)
     update_host_s: list[float]   # per tensor: the poller's hand-written update (ByteScheduler)
     gil_s: float = 0.0           # a woken Python thread's wait for the GIL while the poller spins
+    sync_holds_gil: bool = False  # torch.cuda.synchronize() keeps the GIL while it waits
 
 
 NONE = Engine(0.0, [], [], 0.0, [])
@@ -82,7 +88,7 @@ def engine_of(cfg: Config, units: list[Unit], sizes: list[int], *, byte_s: float
     if not priority:
         return Engine(poll, divide, copy, 0.0, [])
     return Engine(0.0, divide, copy, negotiation_s(cfg, net), _updates(cfg, sizes, facts),
-                  float(facts.get("gil_switch_s", 0.0)))
+                  float(facts.get("gil_switch_s", 0.0)), bool(facts.get("sync_holds_gil")))
 
 
 def negotiation_s(cfg: Config, net: Network) -> float:

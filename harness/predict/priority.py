@@ -135,7 +135,9 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
     once (`false`), once the GPU has done what was launched by then, backward and pieces
     started included (`device`: torch.cuda.synchronize()), or with every piece and
     update done (`drain`). While the poller has updates to launch it holds the GIL: the
-    training thread woken from a lock or a synchronize gets it `engine.gil_s` later."""
+    training thread woken from a lock or a synchronize gets it `engine.gil_s` later; with
+    `engine.sync_holds_gil` the synchronize keeps the GIL, and no piece goes before it
+    returns."""
     ready_after = list(itertools.accumulate(
         b + c for b, c in itertools.zip_longest(compute.backward_s, engine.copy_s,
                                                 fillvalue=0.0)))
@@ -169,6 +171,10 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
                     ("compute", "backward", start, end, {})]
         started = [math.inf] * len(units)
         comm.busy_until = end + compute.forward_s  # and, at best, the next forward
+        frozen = ending == "device" and engine.sync_holds_gil
+        if frozen:  # the Python threads wait out the training thread's synchronize
+            t = _step_end(ending, cpu, end, stream, lock, last_flight)
+            ready = [max(r, t) for r in ready]
         done = issue(units, [ready[p] for p in last], comm, credit, cycle_s=cycle_s,
                      fusion=fusion, order=order, started=started,
                      negotiation_s=engine.negotiation_s, wake_s=engine.gil_s)
@@ -176,8 +182,9 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
             stream.launch_later(finish, engine.divide_s[u] if engine.divide_s else 0.0)
         poller = _poll(tensor_units, done, gpu_update, host, compute.layer_of, stream, lock,
                        poller, log)
-        t = _step_end(ending, cpu, end, stream, lock, last_flight)
-        if ending == "device" and t < poller:  # back from synchronize: the GIL is the poller's
+        if not frozen:
+            t = _step_end(ending, cpu, end, stream, lock, last_flight)
+        if ending == "device" and not frozen and t < poller:  # back: the GIL is the poller's
             t += engine.gil_s
         last_flight = list(zip(started, done))
         ends.append(t)
