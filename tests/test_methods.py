@@ -71,7 +71,6 @@ HOOK_DELAY_S = 0.002
 PS_METHODS = [m for m in METHODS if m.endswith("_ps")]
 SWITCHES = [(local, rule, sched) for local in (True, False) for rule in ("hash", "balanced")
             for sched in (False, True)]
-SWITCHED = (2, "bert")  # the workers per node and flavor that run SWITCHES (_variants)
 # (nodes, workers per node, server processes, methods, flavors): one node runs every
 # method, two nodes (where node-local aggregation and servers meet) the PS methods
 SHAPES = [(1, 2, 1, METHODS, ("resnet", "bert")), (1, 3, 1, METHODS, ("resnet", "bert")),
@@ -216,19 +215,18 @@ def _method_overrides(name: str, flavor: str) -> list[str]:
     return out
 
 
-def _variants(nodes: int, switches: bool) -> list[tuple[str, list[str]]]:
-    """With servers, wfbp_ps's node aggregation through the root instead of BytePS's
-    scatter path, and priority_ps with every worker pushing (no node collectives to order:
-    its ranks follow rank 0's announcements all the same); with `switches`, wfbp_ps under
-    every combination of the PS switches its defaults and bytescheduler_ps do not already
-    run (on one node with node-local aggregation the others have no server to act on: that
-    is one combination). The switches act on the servers alone, so one flavor on one shape
-    per node count runs them (SWITCHED)."""
+def _variants(nodes: int) -> list[tuple[str, list[str]]]:
+    """wfbp_ps under every combination of the PS switches its defaults and
+    bytescheduler_ps do not already run (on one node with node-local aggregation the
+    others have no server to act on: that is one combination), and with servers the
+    node's aggregation through the root instead of BytePS's scatter path, and priority_ps
+    with every worker pushing (no node collectives to order: its ranks follow rank 0's
+    announcements all the same)."""
     out = [] if nodes == 1 else [("wfbp_ps[node_reduce=root]",
                                   ["method.transport.node_reduce=root"]),
                                  ("priority_ps[local_reduce=false]",
                                   ["method.transport.local_reduce=false"])]
-    for local, rule, sched in SWITCHES if switches else ():
+    for local, rule, sched in SWITCHES:
         if local and (nodes == 1 or rule == "hash"):
             continue
         label = f"wfbp_ps[local_reduce={local},{rule},server_schedule={sched}]"
@@ -253,10 +251,9 @@ def _jobs(nodes: int, per_node: int, names: list[str], flavors,
           wire: str = "gloo") -> list[tuple[str, str, list[str]]]:
     shape = [f"cluster.nodes={nodes}", f"cluster.workers_per_node={per_node}", "run.force=true",
              "run.timeout_s=120", f"cluster.ps_wire={wire}"]
+    runs = [(n, []) for n in names] + _variants(nodes) if wire == "gloo" else _wire_runs(nodes)
     jobs = []
     for flavor in flavors:
-        runs = ([(n, []) for n in names] + _variants(nodes, (per_node, flavor) == SWITCHED)
-                if wire == "gloo" else _wire_runs(nodes))
         overrides = FLAVORS[flavor if nodes * per_node == 2 else f"{flavor}_many"]
         for label, extra in runs:
             name = label.split("[")[0]
