@@ -184,8 +184,8 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
                        poller, log)
         if not frozen:
             t = _step_end(ending, cpu, end, stream, lock, last_flight)
-        if ending == "device" and not frozen and t < poller:  # back: the GIL is the poller's
-            t += engine.gil_s
+            if ending == "device" and t < poller:  # back from synchronize: the poller's GIL
+                t += engine.gil_s
         last_flight = list(zip(started, done))
         ends.append(t)
         if log is not None:
