@@ -124,12 +124,16 @@ class Run:
         return list(self.tmp.glob("ddlbench-*"))
 
     def wait_for_second_repeat(self, timeout: float = 120) -> None:
-        """Until rank 1 iterates in the second repeat (its first one has a shard)."""
+        """Until rank 1 iterates in the second repeat and the first one's shard is written.
+        Rank 0 writes that shard while the others build the second repeat's model, and
+        joins their first collective only then: from here on the second repeat has all of
+        its iterations to go."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for run_dir in self.run_dirs():
                 try:
-                    if (run_dir / "beat.rank1").read_text().startswith("1\titeration"):
+                    if (run_dir / "beat.rank1").read_text().startswith("1\titeration") and \
+                            any(self.results.glob("*_r0.parquet")):
                         return
                 except OSError:
                     pass
