@@ -83,12 +83,12 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
     if log is not None:
         _log_units(comm, units, model.names, log)
     engine = engines.engine_of(cfg, units, compute.sizes, byte_s=compute.byte_s, net=net)
+    share = cpushare.of(cfg, compute.total_s, planned, net)  # the cores a run here shares
     ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
                     fusion=fusion, iterations=cfg.simulate.iterations,
-                    ending=step_ending(cfg.run), engine=engine, log=log)
+                    ending=step_ending(cfg.run), engine=engine, log=log, share=share)
     steady = ends[1:] if len(ends) > 2 else ends
     simulated = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else ends[0]
-    share = cpushare.of(cfg, compute.total_s, planned, net)  # the cores a run here shares
     iteration = max(simulated, share.floor_s)
     exposed = max(0.0, iteration - compute.total_s)
     busiest, busy = max(comm.busy.items(), key=lambda kv: kv[1])
@@ -132,7 +132,8 @@ def _log_units(comm, units: list[Unit], names: list[str], log: list) -> None:
 
 def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, credit: int,
              cycle_s: float, fusion: int, iterations: int, ending: str = "false",
-             engine: engines.Engine = engines.NONE, log: list | None = None) -> list[float]:
+             engine: engines.Engine = engines.NONE, log: list | None = None,
+             share: cpushare.Share = cpushare.NONE) -> list[float]:
     """The end of each iteration, simulated one after another. ByteScheduler's
     (`kind="priority"`) is harness/predict/priority.py's; every other method's step
     waits for its communication: each unit goes when ready (or after backward), the
@@ -143,17 +144,18 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
     if kind == "priority":
         return priority.iterate(compute, units, comm, credit=credit, cycle_s=cycle_s,
                                 fusion=fusion, iterations=iterations, ending=ending,
-                                engine=engine, log=log)
+                                engine=engine, log=log, share=share)
     backward = compute.backward_s
     if engine.copy_s:  # the merged groups' copies run in the hooks, on the compute stream
         backward = [b + c for b, c in zip(backward, engine.copy_s)]
-    backward_ready = list(itertools.accumulate(backward))
     nbytes = [u.numel * ELEMENT_SIZE for u in units]
     last = [u.params[-1] for u in units]  # a unit is ready with its last tensor
-    update_s, t, ends = compute.update_s, 0.0, []
+    first = min(last) if kind != "after_backward" else len(backward)  # the first unit's tensor
+    update_s, t, ends, rate = compute.update_s, 0.0, [], 1.0
     for it in range(iterations):
         begin = t
         t += compute.forward_s
+        backward_ready = list(itertools.accumulate(cpushare.beside(backward, first, rate)))
         ready = [t + r for r in backward_ready]
         end_of_backward = ready[-1]
         if kind == "after_backward":
@@ -162,6 +164,7 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
             unit_ready = [ready[p] for p in last]  # ready times never decrease
         comm.busy_until = end_of_backward
         done = comm.issue_all(nbytes, unit_ready)
+        rate = share.compute_rate(min(unit_ready), max(done))
         stream = end_of_backward
         for finish, seconds in sorted(zip(done, engine.divide_s)):
             stream = (stream if stream > finish else finish) + seconds

@@ -10,6 +10,8 @@ import itertools
 import math
 
 from harness.predict import profile
+from harness.predict.cpushare import NONE as NO_SHARE
+from harness.predict.cpushare import Share, beside
 from harness.predict.engines import NONE, Engine
 from methods.plan import Unit, fuse_pieces
 
@@ -123,7 +125,8 @@ class Stream:
 
 def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
             cycle_s: float, fusion: int, iterations: int, ending: str = "false",
-            engine: Engine = NONE, log: list | None = None) -> list[float]:
+            engine: Engine = NONE, log: list | None = None, share: Share = NO_SHARE
+            ) -> list[float]:
     """ByteScheduler's iterations; the training thread's start of each next one.
 
     The training thread launches each forward step once the updates of the layers it
@@ -138,9 +141,8 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
     training thread woken from a lock or a synchronize gets it `engine.gil_s` later; with
     `engine.sync_holds_gil` the synchronize keeps the GIL, and no piece goes before it
     returns."""
-    ready_after = list(itertools.accumulate(
-        b + c for b, c in itertools.zip_longest(compute.backward_s, engine.copy_s,
-                                                fillvalue=0.0)))
+    backward = [b + c for b, c in itertools.zip_longest(compute.backward_s, engine.copy_s,
+                                                        fillvalue=0.0)]
     n, layers = len(compute.sizes), max(compute.layer_of) + 1
     total = sum(compute.sizes)
     gpu_update = [compute.update_s * s / total for s in compute.sizes]
@@ -152,8 +154,9 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
     last = [u.params[-1] for u in units]  # a unit is ready with its last tensor
     order = keys(units)
     stream, lock = Stream(), [0.0] * layers
-    poller, t, ends, last_flight = 0.0, 0.0, [], []
+    poller, t, ends, last_flight, rate = 0.0, 0.0, [], [], 1.0
     for it in range(iterations):
+        ready_after = list(itertools.accumulate(beside(backward, min(last), rate)))
         begin = cpu = t
         for needs, seconds in compute.forward:
             for layer in needs:
@@ -178,6 +181,7 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
         done = issue(units, [ready[p] for p in last], comm, credit, cycle_s=cycle_s,
                      fusion=fusion, order=order, started=started,
                      negotiation_s=engine.negotiation_s, wake_s=engine.gil_s)
+        rate = share.compute_rate(min(ready[p] for p in last), max(done))
         for u, finish in enumerate(done):  # Horovod's callback divides on the compute stream
             stream.launch_later(finish, engine.divide_s[u] if engine.divide_s else 0.0)
         poller = _poll(tensor_units, done, gpu_update, host, compute.layer_of, stream, lock,
