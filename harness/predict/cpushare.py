@@ -21,22 +21,21 @@ their measured CPU), so
 
 and the simulated iteration is stretched to that floor where it is shorter. And where it
 runs (harness/predict/model.py, priority.py): communication that runs while backward does
-takes its cores first, its iteration's CPU spread evenly over its span (the first unit's
-readiness to the last one's end, the iteration before), and the tensors after the first
-unit's compute on what it leaves (`compute_rate`, `beside`), so a method that overlaps
-pays for its overlap in backward. A flight of 16 partitions through the real server beside
-a matmul thread on every worker (2 eth1g nodes) ran as fast as alone while the matmuls
-took 12-24% longer: the communication keeps its speed, the compute has the rest. Traced
-on 2 eth1g nodes x 1, the model stretches backward x1.72 beside `wfbp_ps` and x1.34 beside
-`wfbp_a2a` on resnet50_small (measured x1.7-1.9 and x1.26), x1.14 and x1.09 on bert_tiny
-(x1.24 and x1.08). Assumed: the cores are shared without idling while any process of the
-run has work (the floor is then reached when the communication's CPU fills what compute
-leaves), and a message costs the CPU it cost alone in the microbenchmark. Where nodes
-have several workers, the node's own part of each partition (its collectives and copies
-on the method's node path, psbench's `node_scatter` and `node_root`) is counted beside the
-round trip, which only the roots make. Not counted: ByteScheduler's fusion of pieces (each
-piece is one all-reduce here). GPU clusters, counted compute and networks that are not
-this machine's get no floor.
+wants cores beside the compute's `busy`, its iteration's CPU spread evenly over its span
+(the first unit's readiness to the last one's end, in the iteration before); where the two
+want more than there are, they share them in proportion, and the tensors after the first
+unit's compute at that share of their speed (`compute_rate`, `beside`): a method that
+overlaps pays for its overlap in backward. Traced on 2 eth1g nodes x 1, the model makes
+backward x1.46 longer beside `wfbp_ps` and x1.22 beside `wfbp_a2a` on resnet50_small
+(measured x1.7-1.9 and x1.26), x1.17 and x1.11 on bert_tiny (x1.24 and x1.08). Assumed:
+the cores are shared without idling while any process of the run has work (the floor is
+then reached when the communication's CPU fills what compute leaves), and a message costs
+the CPU it cost alone in the microbenchmark. Where nodes have several workers, the node's
+own part of each partition (its collectives and copies on the method's node path,
+psbench's `node_scatter` and `node_root`) is counted beside the round trip, which only the
+roots make. Not counted: ByteScheduler's fusion of pieces (each piece is one all-reduce
+here). GPU clusters, counted compute and networks that are not this machine's get no
+floor.
 """
 
 from __future__ import annotations
@@ -74,12 +73,13 @@ class Share:
     def compute_rate(self, start: float, end: float) -> float:
         """The compute's speed, as a share of its speed alone, while the iteration's
         communication runs from `start` to `end` beside it: its CPU, spread evenly over
-        that span, takes the cores it needs first and the compute has the rest (1: no
-        share, or cores enough for both)."""
+        that span, wants `comm` cores beside the compute's `busy`; where the two want more
+        than the cores, the cores are shared in proportion (1: no share, or cores enough
+        for both)."""
         if not math.isfinite(self.comm_cpu_s) or end <= start or not self.busy:
             return 1.0
         comm = self.comm_cpu_s / (end - start)  # cores the communication keeps busy
-        return max(MIN_RATE, min(1.0, (self.cores - comm) / self.busy))
+        return min(1.0, self.cores / (self.busy + comm))
 
     @property
     def described(self) -> dict:
@@ -92,7 +92,6 @@ class Share:
 
 
 NONE = Share()  # a run that shares no cores with its communication
-MIN_RATE = 0.1  # the compute's least speed beside communication that wants every core
 
 
 def beside(backward_s: list[float], first: int, rate: float) -> list[float]:

@@ -140,7 +140,9 @@ def _iterate(compute: profile.Compute, units: list[Unit], comm, *, kind: str, cr
     engine's divisions run on the compute stream once their unit is done, the training
     thread wakes half a poll period after the last unit (`engine`) and launches the
     optimizer step. `ending` (run.sync_each_step) changes nothing for them. `log`: see
-    `predict` (an iteration spans from its forward to the next one's)."""
+    `predict` (an iteration spans from its forward to the next one's). On shared cores
+    (`share`), the tensors after the first unit's compute at the rate the communication
+    left them in the iteration before (cpushare.compute_rate)."""
     if kind == "priority":
         return priority.iterate(compute, units, comm, credit=credit, cycle_s=cycle_s,
                                 fusion=fusion, iterations=iterations, ending=ending,

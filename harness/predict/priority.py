@@ -140,7 +140,8 @@ def iterate(compute: profile.Compute, units: list[Unit], comm, *, credit: int,
     update done (`drain`). While the poller has updates to launch it holds the GIL: the
     training thread woken from a lock or a synchronize gets it `engine.gil_s` later; with
     `engine.sync_holds_gil` the synchronize keeps the GIL, and no piece goes before it
-    returns."""
+    returns. On shared cores (`share`), backward after the first unit's tensor computes at
+    the rate the communication left it in the iteration before (cpushare.compute_rate)."""
     backward = [b + c for b, c in itertools.zip_longest(compute.backward_s, engine.copy_s,
                                                         fillvalue=0.0)]
     n, layers = len(compute.sizes), max(compute.layer_of) + 1
