@@ -119,19 +119,37 @@ def test_a_gpu_profile_reads_its_events_after_the_last_iteration_never_between(
     _Event.made_at_first_wait = None
     steps = trace._measured({}, iters=3, device="cuda:1")
     assert chosen == [torch.device("cuda", 1)]  # its events on the stream of its own GPU
-    # 2 + 3 iterations, each: 4 marks, 2 modules' forward ends, 4 gradients; one wait each,
-    # the first once every iteration is queued: a wait between two leaves the GPU idle while
-    # the host queues the next forward (an H100's resnet50: 42.7 ms against 38.8)
-    assert (_Event.made, _Event.waited, _Event.made_at_first_wait) == (5 * 10, 5, 5 * 10)
+    # 2 + 3 iterations, each: 4 marks, 2 modules' forward ends, 4 gradients, then one
+    # without hooks (4 marks); one wait each, the first once every iteration is queued: a
+    # wait between two leaves the GPU idle while the host queues the next forward (an
+    # H100's resnet50: 42.7 ms against 38.8)
+    made = 5 * (10 + 4)
+    assert (_Event.made, _Event.waited, _Event.made_at_first_wait) == (made, 10, made)
     assert steps["source"] == "measured:cuda" and len(steps["backward_s"]) == 4
     assert all(t >= 0 for t in [*steps["backward_s"], steps["update_s"]])
     cpu = trace._measured({}, iters=1, device="cpu")  # the CPU twin: the clock, no event
-    assert _Event.made == 50 and cpu["source"] == "measured:cpu"
+    assert _Event.made == made and cpu["source"] == "measured:cpu"
     # cluster.device=cuda names no GPU: the current one, by index (GPU checklist step 10,
     # where torch 2.11's set_device refused torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     trace._measured({}, iters=1, device="cuda")
     assert chosen[-1] == torch.device("cuda", 0)
+
+
+def test_the_layers_split_the_lengths_an_iteration_without_hooks_has() -> None:
+    # the hooks' stamps cost host time: resnet50 on an H200 took 41.6 ms an iteration
+    # stamped layer by layer and 32.5 without hooks (GPU checklist step 10)
+    model = _Tiny()
+    ends = [((0, 1), 2.0), ((2, 3), 10.0)]  # forward 10: layer a 2, layer b 8
+    ready = [12.0, 15.0, 20.0, 30.0]        # backward 20: 2, 3, 5, 10
+    marks = [0.0, 10.0, 30.0, 34.0]
+    hooked = trace._steps(model, ends, ready, marks, scale=1.0, source="x")
+    assert [t for _, t in hooked["forward"]] == [2.0, 8.0] and hooked["update_s"] == 4.0
+    steps = trace._steps(model, ends, ready, marks, scale=1.0, source="x",
+                         plain=[0.0, 5.0, 15.0, 16.0])
+    assert [t for _, t in steps["forward"]] == [1.0, 4.0]      # forward 5, split 1:4
+    assert steps["backward_s"] == [1.0, 1.5, 2.5, 5.0]           # backward 10, split alike
+    assert steps["update_s"] == 1.0
 
 
 class _Threads:

@@ -28,10 +28,11 @@ if TYPE_CHECKING:
 
 
 def _trace(model: nn.Module, batch: dict, clock: Callable[[], float],
-           optimizer: torch.optim.Optimizer | None = None) -> tuple[list, list[float], list[float]]:
+           optimizer: torch.optim.Optimizer | None = None, *, layers: bool = True
+           ) -> tuple[list, list[float], list[float]]:
     """One iteration stamped by `clock`: ([(layers needed, end) per parameter-owning
     module's forward, execution order], gradient ready times, [start, forward end,
-    backward end, step end])."""
+    backward end, step end]); without `layers`, only the last list (no hooks)."""
     from methods.base import backward_order
     from methods.layerwise import module_layers
 
@@ -40,10 +41,12 @@ def _trace(model: nn.Module, batch: dict, clock: Callable[[], float],
     index = {p: i for i, p in enumerate(params)}
     ends: list[tuple[tuple[int, ...], float]] = []
     ready = [0.0] * len(params)
-    hooks = [m.register_forward_hook(lambda m, *_: ends.append((tuple(needs[m]), clock())))
-             for m in needs]
-    hooks += [p.register_post_accumulate_grad_hook(
-        lambda p: ready.__setitem__(index[p], clock())) for p in params]  # last one wins
+    hooks = []
+    if layers:
+        hooks = [m.register_forward_hook(lambda m, *_: ends.append((tuple(needs[m]), clock())))
+                 for m in needs]
+        hooks += [p.register_post_accumulate_grad_hook(
+            lambda p: ready.__setitem__(index[p], clock())) for p in params]  # last one wins
     try:
         start = clock()
         loss = model(batch)
@@ -60,8 +63,10 @@ def _trace(model: nn.Module, batch: dict, clock: Callable[[], float],
 
 
 def _steps(model: nn.Module, ends: list, ready: list[float], marks: list[float],
-           *, scale: float, source: str) -> dict[str, Any]:
-    """The fields of profile.Compute from one trace's stamps, each step times `scale`."""
+           *, scale: float, source: str, plain: list[float] | None = None) -> dict[str, Any]:
+    """The fields of profile.Compute from one trace's stamps, each step times `scale`;
+    `plain`, the marks of an iteration without hooks, sets the lengths of forward, backward
+    and the step, the layers' stamps only their shares."""
     from methods.base import backward_order
     from methods.layerwise import module_layers
 
@@ -76,9 +81,16 @@ def _steps(model: nn.Module, ends: list, ready: list[float], marks: list[float],
     ready = list(itertools.accumulate((max(r, forward_end) for r in ready), max))
     backward = [b - a for a, b in zip([forward_end, *ready], ready)]
     backward[-1] += backward_end - ready[-1]
-    return {"sizes": [p.numel() for p in params], "backward_s": [t * scale for t in backward],
-            "layer_of": layer_of, "forward": [(n, t * scale) for n, t in zip(order, steps)],
-            "update_s": (step_end - backward_end) * scale, "source": source}
+    update = step_end - backward_end
+    to_fwd = to_bwd = 1.0
+    if plain is not None:
+        to_fwd = (plain[1] - plain[0]) / max(forward_end - start, 1e-12)
+        to_bwd = (plain[2] - plain[1]) / max(backward_end - forward_end, 1e-12)
+        update = plain[3] - plain[2]
+    return {"sizes": [p.numel() for p in params],
+            "backward_s": [t * to_bwd * scale for t in backward], "layer_of": layer_of,
+            "forward": [(n, t * to_fwd * scale) for n, t in zip(order, steps)],
+            "update_s": update * scale, "source": source}
 
 
 # operations that move no data: views, fresh allocations, aliases
@@ -210,19 +222,25 @@ def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: in
     start()
     # a GPU's events are read only after the last iteration: reading each before the next
     # starts would leave the GPU idle while the host queues the next forward (resnet50 on an
-    # H100: 42.7 ms an iteration against 38.8 ms read at the end and the plain loop's 38.4)
-    traces = [_trace(model, batch, clock, optimizer) for _ in range(2 + iters)]
-    traces = [_in_seconds(t) for t in traces][2:]
+    # H100: 42.7 ms an iteration against 38.8 ms read at the end and the plain loop's 38.4).
+    # The hooks' stamps cost the host time, which sets the pace where the GPU is faster than
+    # the host (resnet50 on an H200: 41.6 ms hooked, 32.5 plain): an iteration without
+    # hooks after each hooked one gives forward, backward and the step their lengths, the
+    # hooked one only how forward and backward split among the layers
+    traces = [_trace(model, batch, clock, optimizer, layers=layers)
+              for _ in range(2 + iters) for layers in (True, False)]
+    traces = [_in_seconds(t) for t in traces][4:]
     while keep_busy():
         _in_seconds(_trace(model, batch, clock, optimizer))
     order = [n for n, _ in traces[0][0]]
     # every stamp relative to its iteration's start, then the median per stamp
     rel = [([t - marks[0] for _, t in ends], [t - marks[0] for t in ready],
             [t - marks[0] for t in marks]) for ends, ready, marks in traces]
-    ends, ready, marks = ([statistics.median(v) for v in zip(*(r[k] for r in rel))]
+    ends, ready, marks = ([statistics.median(v) for v in zip(*(r[k] for r in rel[::2]))]
                           for k in range(3))
+    plain = [statistics.median(v) for v in zip(*(r[2] for r in rel[1::2]))]
     return _steps(model, list(zip(order, ends)), ready, marks, scale=1.0,
-                  source=f"measured:{where.type}")
+                  source=f"measured:{where.type}", plain=plain)
 
 
 def _profile_process(model_cfg: dict, iters: int, device: str, seed: int, threads: int,
