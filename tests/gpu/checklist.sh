@@ -1,9 +1,10 @@
 #!/bin/bash
 # The team's GPU checklist (tests/README.md) in one call. Logs: $OUT/{a..f}.log.
-# Phase 1 (correctness, lanes in parallel): steps 3-8, 11-16. Phase 2 (timing, alone): 1, 2, 9, 10.
+# Phase 1 (correctness, lanes in parallel): steps 3-8, 11-16. Phase 2 (timing, alone): 1, 9, 10,
+# experiment=paper's settings, 2.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PY:-python3}; DEV=${DEV:-cuda}; P1=${P1:-180}; OUT=${OUT:-/tmp/gpuout}; R=/tmp/gpuck
+PY=${PY:-python3}; DEV=${DEV:-cuda}; P1=${P1:-200}; OUT=${OUT:-/tmp/gpuout}; R=/tmp/gpuck
 mkdir -p "$OUT" "$R"; rm -rf "$R"/*
 T0=$(date +%s)
 hdr() { echo; echo "=== $* (t+$(( $(date +%s) - T0 ))s)"; }
@@ -52,7 +53,7 @@ nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total --format=cs
   $PY tests/gpu/rows.py $R/s3
   hdr "step 8: memory, bert_large bsp_ps and bytescheduler_ps, 3 repeats"
   for m in bsp_ps bytescheduler_ps; do
-    TAILN=6 run 100 $PY -m harness.run model=bert_large method=$m $NOLOCAL run.repeats=3 run.warmup_iters=2 run.timed_iters=4 results_dir=$R/s8
+    TAILN=6 run 100 $PY -m harness.run model=bert_large method=$m $NOLOCAL run.repeats=3 run.warmup_iters=1 run.timed_iters=2 results_dir=$R/s8
   done
   $PY tests/gpu/rows.py $R/s8
 ) > $OUT/c.log 2>&1 &
@@ -137,6 +138,11 @@ wait
   for m in resnet50 bert_base; do
     TAILN=8 run 100 $PY -m harness.simulate model=$m method=bsp_a2a simulate.compute=measured cluster.device=$DEV results_dir=$R/s10
   done
+  hdr "experiment=paper's settings on one GPU (issue 39): the study's clock against ours, its rate, FP32, cudnn.benchmark, BERT's padded vocabulary"
+  for s in device false; do
+    TAILN=2 run 70 $PY -m harness.run model=bert_base method=bsp_a2a run.sync_each_step=$s run.rate=study run.cudnn_benchmark=true run.tf32_matmul=false run.tf32_cudnn=false ++model.build.vocab_size=30528 model.optimizer.name=adamw run.warmup_iters=5 run.timed_iters=30 run.repeats=1 results_dir=$R/paper
+  done
+  $PY tests/gpu/rows.py $R/paper
   hdr "step 2: harness overhead at 1 worker (plain, bsp_a2a, ddp)"
   TAILN=30 run $(( ${END:-470} - $(date +%s) + T0 > 40 ? ${END:-470} - $(date +%s) + T0 : 40 )) $PY -m harness.methodbench --models resnet50 --methods bsp_a2a,ddp --workers 1 --rounds 3 --timed-iters 50 --engines native --results-dir $R/s2
 } >> $OUT/a.log 2>&1

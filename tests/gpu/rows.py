@@ -23,5 +23,7 @@ for folder in sys.argv[1:]:
               f"{1e3*(r.backward_s or 0):7.2f} comm {1e3*(r.comm_s or 0):7.2f} upd "
               f"{1e3*(r.update_s or 0):6.2f} ms  host {1e3*(r.method_host_s or 0):5.2f} wait "
               f"{1e3*(r.method_wait_s or 0):5.2f} peak {gb:6.2f} GiB tf32 {r.tf32_matmul}/"
-              f"{r.tf32_cudnn} bench {r.cudnn_benchmark} dev {r.devices} "
+              f"{r.tf32_cudnn} bench {r.cudnn_benchmark} sync {r.sync_each_step} rate "
+              f"{r.rate} (window {r.throughput_window:.1f}, study {r.throughput_study:.1f}) "
+              f"dev {r.devices} "
               f"{'' if r.status == 'ok' else r.error}")
