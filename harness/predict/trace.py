@@ -36,13 +36,14 @@ def _trace(model: nn.Module, batch: dict, clock: Callable[[], float],
     from methods.base import backward_order
     from methods.layerwise import module_layers
 
-    params = backward_order(model)
-    _, _, needs = module_layers(model, params)
-    index = {p: i for i, p in enumerate(params)}
     ends: list[tuple[tuple[int, ...], float]] = []
-    ready = [0.0] * len(params)
+    ready: list[float] = []
     hooks = []
     if layers:
+        params = backward_order(model)
+        _, _, needs = module_layers(model, params)
+        index = {p: i for i, p in enumerate(params)}
+        ready = [0.0] * len(params)
         hooks = [m.register_forward_hook(lambda m, *_: ends.append((tuple(needs[m]), clock())))
                  for m in needs]
         hooks += [p.register_post_accumulate_grad_hook(
