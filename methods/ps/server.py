@@ -2,8 +2,9 @@
 pushes, sum them on engine threads, answer.
 
 One thread per worker reads that worker's control stream in order (methods/ps/wire.py
-describes the protocol) and receives each announced partition from exactly that worker on
-exactly that key's tag, then handles it as BytePSHandler does: the key is bound to one of
+describes the protocol) and posts the receive of each announced partition, from exactly
+that worker on exactly that key's tag, as its header arrives; a second thread per worker
+waits for them in that order and handles each as BytePSHandler does: the key is bound to one of
 the plan's `engine_threads` engine threads (the one with the fewest bytes bound so far,
 methods/ps/server_queue.py), the round's first push becomes the running sum in place (no
 engine work), each later one is queued on the key's thread to be added to it, and after
@@ -30,6 +31,7 @@ sent STOP.
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -112,8 +114,16 @@ class Server:
         return thread
 
     def stream(self, worker: int) -> None:
-        """Serve worker `worker`'s control stream until it sends STOP."""
+        """Serve worker `worker`'s control stream until it sends STOP. This thread reads the
+        headers and posts each announced push's receive as its header arrives; a thread of
+        its own (`_land`) waits for them in order and hands each on. So a push goes as soon
+        as its header has arrived, whatever the server is still waiting for: as ZeroMQ
+        buffers a push ahead of ps-lite's reader, where a receive posted only once the one
+        before had landed cost every push a round trip on Gloo (a message goes once its
+        receiver said it is ready, methods/ps/wire.py), two a unit with its header."""
         msg = torch.empty(HEADER, dtype=torch.int64)
+        landing: queue.SimpleQueue = queue.SimpleQueue()
+        lander = self.spawn(f"ps-land{worker}", self._land, worker, landing)
         number, plan = -1, None
         while True:
             wire.recv(msg, worker, tag=CTRL_TAG)
@@ -128,16 +138,30 @@ class Server:
             elif op == PUSH:
                 node = worker // plan.node_size
                 for key in msg[3 : 3 + count].tolist():
-                    slot = plan.slots[key]
-                    wire.recv(slot.inputs[node], worker, tag=KEY_TAG + key)
-                    self.pushes[worker] += 1
-                    self.arrived(plan, slot, node)
+                    slot = plan.slots[key]  # its buffer is free: the worker pushes a key
+                    # again only after its answer, sent after the sum left the buffer
+                    landing.put((plan, slot, node, wire.irecv(slot.inputs[node], worker,
+                                                              tag=KEY_TAG + key)))
             elif op == CLOSE:
-                self._close(number, plan)
+                landing.put((number, plan))
             elif op == STOP:
+                landing.put(None)
+                while lander.is_alive() and not self.errors:
+                    lander.join(POLL_S)
                 return
             else:
                 raise ValueError(f"unknown control message {op} from worker {worker}")
+
+    def _land(self, worker: int, landing: queue.SimpleQueue) -> None:
+        """Worker `worker`'s pushes as they land, in its order; a plan closed after them."""
+        while (item := landing.get()) is not None:
+            if len(item) == 2:
+                self._close(*item)
+                continue
+            plan, slot, node, work = item
+            work.wait()
+            self.pushes[worker] += 1
+            self.arrived(plan, slot, node)
 
     def _open(self, number: int, layout: torch.Tensor, dtype: torch.dtype, worker: int,
               node_size: int, schedule: bool, threads: int) -> _Plan:
