@@ -251,3 +251,64 @@ def test_the_scheduled_queue_is_libstdcxx_heap_under_bytepses_comparator(tmp_pat
             else:
                 got.append(queue.get(0))
         assert got == want, f"seed {seed}: {ops}"
+
+
+def _early_push_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 serves; rank 0 announces keys 0 and 1 in two headers, sends key 1's push
+    first and waits for it to leave, then key 0's, and reads both answers."""
+    import datetime as dt
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from methods.ps import wire
+    from methods.ps.server import serve
+    from methods.ps.transport import stop_servers
+    from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=dt.timedelta(seconds=20))
+    wire.start("gloo", store=None, rank=rank, timeout_s=20)
+    if rank == 1:
+        serve(num_workers=1)
+        return
+    pushes = [torch.full((1000,), 1.0 + key) for key in (0, 1)]
+    answers = [torch.zeros(1000) for _ in (0, 1)]
+    wire.send(header(OPEN, [2, 1, 0, 1]), 1, tag=CTRL_TAG)
+    wire.send(torch.tensor([0, 1000, 1, 1000]), 1, tag=LAYOUT_TAG)
+    for key in (0, 1):
+        wire.send(header(PUSH, [key]), 1, tag=CTRL_TAG)
+    pulls = [wire.irecv(answers[key], 1, tag=KEY_TAG + key) for key in (0, 1)]
+    try:  # Gloo sends a message once its receive is posted: key 1's, or never (20 s)
+        wire.isend(pushes[1], 1, tag=KEY_TAG + 1).wait()
+        early = "left"
+    except RuntimeError as exc:
+        early = str(exc).splitlines()[0]
+    result = {"early": early}
+    if early == "left":
+        wire.isend(pushes[0], 1, tag=KEY_TAG).wait()
+        for pull in pulls:
+            pull.wait()
+        result["answers"] = [a.unique().tolist() for a in answers]
+        wire.send(header(CLOSE), 1, tag=CTRL_TAG)
+        stop_servers(num_workers=1)
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def test_a_push_goes_once_its_header_arrived_whatever_the_server_waits_for(tmp_path) -> None:
+    """The server posts each announced push's receive as its header arrives: a worker's
+    push of key 1 leaves while the server still waits for key 0's, announced before it
+    (posted only once key 0 had landed, it would wait for ever: Gloo sends a message only
+    to a posted receive). Both answers are then the pushes' sums."""
+    from tests.test_methods import _free_port, _spawn
+
+    out = tmp_path / "worker.json"
+    codes = _spawn(_early_push_rank, 2, _free_port(), str(out), timeout_s=120)
+    got = __import__("json").loads(out.read_text())
+    assert got["early"] == "left", got
+    assert got["answers"] == [[1.0], [2.0]], got
+    assert codes == [0, 0], codes

@@ -17,11 +17,12 @@ times it. Then every worker closes the plan and tells every server to stop.
 The round trip holds what one partition pays beyond the link: the server's control
 message and receive thread, its engine thread's sum and copy, the answer's send, each
 side's per-message cost on the wire. The flight holds what the round trip cannot show:
-the server reads each worker's messages on one thread, in order, and on Gloo a message
-moves only once its receive is posted (Gloo's rendezvous: the receiver's "ready" goes
-back over the pair's one connection), so the partitions of a unit follow one another
-through that thread; what each costs there beyond its bytes is the in-order path's per
-partition cost (harness/predict/psqueues.py). Sizes of the flight go up to the methods'
+the server lands each worker's pushes in order, and on Gloo a message moves only once its
+receive is posted (Gloo's rendezvous: the receiver's "ready" goes back over the link,
+behind whatever the server sends that way); the server posts a header's receives as the
+header arrives (methods/ps/server.py), so the partitions of a unit follow one another
+with no round trip between them; what each costs there beyond its bytes is the in-order
+path's per partition cost (harness/predict/psqueues.py). Sizes of the flight go up to the methods'
 partition (FLIGHT_MAX_BYTES, 4 MiB against methods/layout.py's 4,096,000 bytes): on 2 x 1
 eth1g a partition in flight cost 22.7 ns a byte at 4 MiB, where the fit up to 256 KiB said
 19.5, and a `bsp_ps` run's 4 MB partitions took the former (harness/predict/README.md). A

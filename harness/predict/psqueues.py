@@ -92,12 +92,12 @@ class ParameterServers:
     of the node, whose rate the intra-node all-reduce fact gives, so each gets half of
     it. A queue is what it carries starting once it is free, and keeping it busy.
 
-    Each server reads each node's messages on one thread, in order (methods/ps/server.py):
-    where psbench measured a unit's partitions in flight on this shape and wire
-    (`Network.ps_flight`), a partition's push starts no earlier than the one before it
-    to that server started plus what a partition in flight costs there beyond the
-    model's own queues (`_stream`: on Gloo the server's "ready to receive" follows its
-    answer over the pair's one connection, so pushes and answers take turns).
+    Each server lands each node's pushes in order (methods/ps/server.py, its receives
+    posted as their header arrives): where psbench measured a unit's partitions in
+    flight on this shape and wire (`Network.ps_flight`), a partition's push starts no
+    earlier than the one before it to that server started plus what a partition in
+    flight costs there beyond the model's own queues (`_stream`: on Gloo the server's
+    "ready to receive" crosses the link behind what the server sends that node).
 
     Each server sums on `engine_threads` lanes (BytePS's engine threads), a partition on
     the lane its key is bound to by BytePS's rule (the fewest bytes bound so far,
