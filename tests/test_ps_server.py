@@ -5,6 +5,9 @@ threads by the fewest bytes bound so far, and the study's PS methods on 8 thread
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import os
 import random
 import shutil
 import subprocess
@@ -12,10 +15,15 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness import config
-from methods.ps.server import COPY, SUM, Server, _Plan
+from methods.ps import wire
+from methods.ps.server import COPY, SUM, Server, _Plan, serve
 from methods.ps.server_queue import EngineQueue, ThreadBinding
+from methods.ps.transport import stop_servers
+from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
+from tests.test_methods import _free_port, _spawn
 
 R, X = 1, 2  # two keys
 
@@ -256,17 +264,6 @@ def test_the_scheduled_queue_is_libstdcxx_heap_under_bytepses_comparator(tmp_pat
 def _early_push_rank(rank: int, world: int, port: int, out: str) -> None:
     """Rank 1 serves; rank 0 announces keys 0 and 1 in two headers, sends key 1's push
     first and waits for it to leave, then key 0's, and reads both answers."""
-    import datetime as dt
-    import json
-    import os
-
-    import torch.distributed as dist
-
-    from methods.ps import wire
-    from methods.ps.server import serve
-    from methods.ps.transport import stop_servers
-    from methods.ps.wire import CLOSE, CTRL_TAG, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, header
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=20))
@@ -304,11 +301,9 @@ def test_a_push_goes_once_its_header_arrived_whatever_the_server_waits_for(tmp_p
     push of key 1 leaves while the server still waits for key 0's, announced before it
     (posted only once key 0 had landed, it would wait for ever: Gloo sends a message only
     to a posted receive). Both answers are then the pushes' sums."""
-    from tests.test_methods import _free_port, _spawn
-
     out = tmp_path / "worker.json"
     codes = _spawn(_early_push_rank, 2, _free_port(), str(out), timeout_s=120)
-    got = __import__("json").loads(out.read_text())
+    got = json.loads(out.read_text())
     assert got["early"] == "left", got
     assert got["answers"] == [[1.0], [2.0]], got
     assert codes == [0, 0], codes

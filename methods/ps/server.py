@@ -140,10 +140,10 @@ class Server:
                 for key in msg[3 : 3 + count].tolist():
                     slot = plan.slots[key]  # its buffer is free: the worker pushes a key
                     # again only after its answer, sent after the sum left the buffer
-                    landing.put((plan, slot, node, wire.irecv(slot.inputs[node], worker,
-                                                              tag=KEY_TAG + key)))
+                    landing.put((PUSH, plan, slot, node,
+                                 wire.irecv(slot.inputs[node], worker, tag=KEY_TAG + key)))
             elif op == CLOSE:
-                landing.put((number, plan))
+                landing.put((CLOSE, number, plan))
             elif op == STOP:
                 landing.put(None)
                 while lander.is_alive() and not self.errors:
@@ -155,10 +155,10 @@ class Server:
     def _land(self, worker: int, landing: queue.SimpleQueue) -> None:
         """Worker `worker`'s pushes as they land, in its order; a plan closed after them."""
         while (item := landing.get()) is not None:
-            if len(item) == 2:
-                self._close(*item)
+            if item[0] == CLOSE:
+                self._close(*item[1:])
                 continue
-            plan, slot, node, work = item
+            _, plan, slot, node, work = item
             work.wait()
             self.pushes[worker] += 1
             self.arrived(plan, slot, node)
