@@ -22,11 +22,12 @@ receive is posted (Gloo's rendezvous: the receiver's "ready" goes back over the 
 behind whatever the server sends that way); the server posts a header's receives as the
 header arrives (methods/ps/server.py), so the partitions of a unit follow one another
 with no round trip between them; what each costs there beyond its bytes is the in-order
-path's per partition cost (harness/predict/psqueues.py). Sizes of the flight go up to the methods'
-partition (FLIGHT_MAX_BYTES, 4 MiB against methods/layout.py's 4,096,000 bytes): on 2 x 1
-eth1g a partition in flight cost 22.7 ns a byte at 4 MiB, where the fit up to 256 KiB said
-19.5, and a `bsp_ps` run's 4 MB partitions took the former (harness/predict/README.md). A
-100 Mb/s link moves 16 x 4 MiB from 2 roots in about 11 s a round. Both fitted to alpha +
+path's per partition cost (harness/predict/psqueues.py). Sizes of the flight go up to the
+methods' partition (FLIGHT_MAX_BYTES, 4 MiB against methods/layout.py's 4,096,000
+bytes): on 2 x 1 eth1g a partition in flight cost 22.7 ns a byte at 4 MiB, where the fit
+up to 256 KiB said 19.5, and a `bsp_ps` run's 4 MB partitions took the former
+(harness/predict/README.md). A 100 Mb/s link moves 16 x 4 MiB from 2 roots in about 11 s
+a round. Both fitted to alpha +
 beta * bytes like the links; each row names the PS wire it used (`ps_wire`). Beside the
 seconds, the CPU seconds the machine was busy (the roots, the other workers, the servers,
 and the kernel's work for their messages) per round trip, or per partition of the flight

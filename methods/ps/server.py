@@ -4,8 +4,8 @@ pushes, sum them on engine threads, answer.
 One thread per worker reads that worker's control stream in order (methods/ps/wire.py
 describes the protocol) and posts the receive of each announced partition, from exactly
 that worker on exactly that key's tag, as its header arrives; a second thread per worker
-waits for them in that order and handles each as BytePSHandler does: the key is bound to one of
-the plan's `engine_threads` engine threads (the one with the fewest bytes bound so far,
+waits for them in that order and handles each as BytePSHandler does: the key is bound to
+one of the plan's `engine_threads` engine threads (the one with the fewest bytes bound so far,
 methods/ps/server_queue.py), the round's first push becomes the running sum in place (no
 engine work), each later one is queued on the key's thread to be added to it, and after
 the last one (a push from every node: the pushing roots) a copy of the sum into the
