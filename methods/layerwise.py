@@ -11,7 +11,7 @@ optimizer of the same class and hyper-parameters per layer, sharing the user's
 optimizer's per-parameter state, so the step equals the user's step exactly.
 
 On a GPU the updates run on the stream of the thread that applies them (the
-scheduler's completer), never on the compute stream. Each update ends with an
+scheduler's updater), never on the compute stream. Each update ends with an
 event; the compute stream waits for a layer's event only where it must: before
 the layer's next forward reads its parameters, before its next gradient is written
 into the buffer the update read, and at `settle` (the end of a timed window).

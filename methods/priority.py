@@ -13,9 +13,12 @@ stopping at the first that has not happened), since the host runs ahead of the d
 and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make, holding
 back the ready ones queued behind it. A completer thread waits for partitions
 in issue order; once a partition's communication has really finished (`Handle.complete`:
-on a GPU `wait` only orders the stream) its credit comes back, and then, when it was a
-layer's last partition, that layer's update is applied (methods/layerwise.py), as
-ByteScheduler's callbacks ran; the next forward of the layer waits only for that.
+on a GPU `wait` only orders the stream) its credit comes back, and, when it was a
+layer's last partition, it hands the layer to an updater thread, which applies the
+layer's update (methods/layerwise.py); the next forward of the layer waits only for that.
+As in ByteScheduler, where the core's finish callbacks return credit and the plug-in's
+poller steps the parameters, an update never holds back the credit of the partitions
+after it (on a CPU an update is real work: resnet50_small's take tens of ms a step).
 `synchronize` and `step` therefore return at once; `drain` waits until every update is
 applied and nothing is in flight.
 
@@ -28,8 +31,9 @@ On a GPU each thread queues its work on a stream of its own (methods/base.py
 `start_thread`), never on the compute stream, and streams are ordered by events alone:
 a gradient hook records an event once the gradient is in the buffer, and the issuer's
 stream waits for it before the piece goes; the completer's stream waits for the
-piece's communication (`Handle.wait`) and runs the layer's update; the compute stream
-waits for that update only before the layer's next forward (methods/layerwise.py).
+piece's communication (`Handle.wait`), the updater's stream waits for an event the
+completer recorded after that and runs the layer's update; the compute stream waits for
+that update only before the layer's next forward (methods/layerwise.py).
 
 With several ranks, rank 0 decides the issue order (and the fused groups) and the
 others follow it (methods/order.py). Collectives need that to be correct at all. Horovod
@@ -127,14 +131,16 @@ class Priority:
         self.busy = 0  # layers between their first ready gradient and their update
         self.iteration = 0
         self.stopping = False
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()  # (units, handle), issue order
+        self.finished: queue.SimpleQueue = queue.SimpleQueue()  # (layers, event) to update
         self.hooks = [p.register_post_accumulate_grad_hook(meter.hook(self._hook(i), i))
                       for i, p in enumerate(buffer.params)]
         issue = self._follow if self.role == "follower" else self._issue
         self.device = device = buffer.flat.device
         self.threads = [start_thread(self._guard(loop), name=name, device=device,
                                      stream=side_stream(device, name))
-                        for loop, name in ((issue, "issuer"), (self._complete, "completer"))]
+                        for loop, name in ((issue, "issuer"), (self._complete, "completer"),
+                                           (self._update, "updater"))]
 
     def _credit(self, element_size: int) -> int:
         elements, nbytes = self.credit_spec
@@ -314,10 +320,10 @@ class Priority:
 
     def _complete(self) -> None:
         """Wait for partitions in issue order; once one's communication has really finished,
-        return its credit, then update each layer whose last partition it was."""
+        return its credit, and hand the updater each layer whose last partition it was."""
         while (item := self.done.get()) is not None:
             group, handle = item
-            handle.wait()  # the updates below, queued after this, read the average
+            handle.wait()  # the updates, queued after the event below, read the average
             handle.complete()
             finished = []
             with self.cond:
@@ -329,10 +335,18 @@ class Priority:
                         self.layer_iter[layer] = -1
                         finished.append(layer)
                 self.cond.notify_all()
-            for layer in finished:
+            if finished:
+                self.finished.put((finished, record(self.device)))
+
+    def _update(self) -> None:
+        """Apply each finished layer's update, in the order the layers finished."""
+        while (item := self.finished.get()) is not None:
+            layers, averaged = item
+            wait_for(averaged, self.device)
+            for layer in layers:
                 self.layers.apply(layer)
             with self.cond:
-                self.busy -= len(finished)
+                self.busy -= len(layers)
                 self.cond.notify_all()
 
     # -- the training loop's calls (main thread) --------------------------------------
@@ -377,7 +391,7 @@ class Priority:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        issuer, completer = self.threads or (None, None)
+        issuer, completer, updater = self.threads or (None, None, None)
         if self.order is not None and self.role == "leader":
             issuer.join(JOIN_S)
             if self.failure.error is None:
@@ -387,6 +401,8 @@ class Priority:
         if completer is not None:
             self.done.put(None)
             completer.join(JOIN_S)
+            self.finished.put(None)  # after every layer the completer handed on
+            updater.join(JOIN_S)
         for h in self.hooks:
             h.remove()
         self.hooks.clear()

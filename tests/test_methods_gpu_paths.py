@@ -387,16 +387,20 @@ def _cuda_faked(monkeypatch, module) -> Iterator[dict]:
 def test_priority_threads_run_on_streams_of_their_own_ordered_by_events(monkeypatch) -> None:
     with _cuda_faked(monkeypatch, priority) as seen, _three_layers(credit_elements=1000) as t:
         _settle(t, 3)
-        # the issuer and the completer, each on a stream of its own, on the buffer's device
-        assert [name for name, _, _ in seen["threads"]] == ["issuer", "completer"]
+        # the issuer, the completer and the updater, each on a stream of its own, on the
+        # buffer's device
+        assert [name for name, _, _ in seen["threads"]] == ["issuer", "completer", "updater"]
         streams = [s for _, _, s in seen["threads"]]
-        assert all(s is not None for s in streams) and streams[0] is not streams[1]
+        assert all(s is not None for s in streams) and len(set(map(id, streams))) == 3
         assert {d for _, d, _ in seen["threads"]} == {torch.device("cpu")}
     # the issuer waited for each gradient's event (recorded where it was collected, in
-    # backward) before its piece went; the compute side waited for no communication
+    # backward) before its piece went; the updater for the completer's, recorded once the
+    # layer's pieces were averaged; the compute side waited for no communication
     issued = [e for name, e in seen["waits"] if name == "issuer"]
     assert len(issued) == 3 and all(e[2] != "issuer" for e in issued)
     assert not [e for name, e in seen["waits"] if name == "completer"]
+    updated = [e for name, e in seen["waits"] if name == "updater"]
+    assert updated and all(e[2] == "completer" for e in updated)
 
 
 def test_a_piece_goes_only_once_its_gradients_event_has_happened(monkeypatch) -> None:
@@ -422,7 +426,7 @@ def test_a_piece_goes_only_once_its_gradients_event_has_happened(monkeypatch) ->
             sched.close()
 
 
-def test_a_pieces_credit_comes_back_before_its_layers_update() -> None:
+def test_a_layers_update_holds_back_the_credit_of_no_piece() -> None:
     model, sched, transport = _scheduler(credit_elements=16)  # one piece in flight at a time
     update, applied = threading.Event(), []
     apply = sched.layers.apply
@@ -440,10 +444,14 @@ def test_a_pieces_credit_comes_back_before_its_layers_update() -> None:
         assert len(first) == 1
         transport.handles[first[0]].finished.set()
         # its communication done, its layer's update held back: the credit is back already
-        assert len(_settle(transport, 2)) == 2 and applied == []
+        second = _settle(transport, 2)
+        assert len(second) == 2 and applied == []
+        # and the next piece's too: an update being applied holds back no completion
+        # (ByteScheduler returns credit in the core's callbacks, steps in the poller)
+        transport.handles[second[1]].finished.set()
+        assert len(_settle(transport, 3)) == 3 and applied == []
         update.set()
         _finish_all(transport)
-        assert len(_settle(transport, 3)) == 3
         _finish_all(transport)
         sched.drain()
         assert len(applied) == 3
@@ -463,7 +471,7 @@ def test_the_next_forward_waits_for_its_layers_update_event(monkeypatch) -> None
             _finish_all(transport)
             sched.drain()
             updates = [e for e in sched.layers.applied]
-            assert all(e is not None and e[2] == "completer" for e in updates)
+            assert all(e is not None and e[2] == "updater" for e in updates)
             seen["waits"].clear()
             model(torch.ones(2, 4))  # the next forward: each layer waits for its own update
             main = threading.current_thread().name
