@@ -1,48 +1,36 @@
 """ByteScheduler: partitions from a priority queue under a credit, updates per layer.
 
-Gradient hooks put a tensor's partitions into a queue ordered by the tensor's
-index in the model, input side first (its gradient is needed first by the next
-forward). An issuer thread starts the highest-priority partition whenever any
-credit is left (ByteScheduler blocks only while the remaining credit is <= 0, then
-subtracts the piece: up to credit plus one piece is in flight, and no piece is
-ever refused). A partition is ready once its gradient is in the buffer: at once on a
-CPU, where the hook runs after the gradient is computed; on a GPU once the event its
-hook recorded has happened (ByteScheduler polls it; the events, recorded in order on
-the compute stream, are asked oldest first, outside the lock the hooks need, each once,
-stopping at the first that has not happened), since the host runs ahead of the device
-and rank 0 would otherwise pick a piece whose gradient the GPU has yet to make, holding
-back the ready ones queued behind it. A completer thread waits for partitions
-in issue order; once a partition's communication has really finished (`Handle.complete`:
-on a GPU `wait` only orders the stream) its credit comes back, and, when it was a
-layer's last partition, it hands the layer to an updater thread, which applies the
-layer's update (methods/layerwise.py); the next forward of the layer waits only for that.
-As in ByteScheduler, where the core's finish callbacks return credit and the plug-in's
-poller steps the parameters, an update never holds back the credit of the partitions
-after it (on a CPU an update is real work: resnet50_small's take tens of ms a step).
-`synchronize` and `step` therefore return at once; `drain` waits until every update is
-applied and nothing is in flight.
-
-With `cycle_s` the pieces go as ByteScheduler's went through Horovod: the ones
-issued within one cycle start together at its end, consecutive ones fused into one
-all-reduce of at most `fusion_bytes` (Horovod's fusion buffer: copied in and out
-unless they already lie next to each other in the flat buffer).
+Gradient hooks queue a tensor's partitions by the tensor's index, input side first (the
+next forward needs it first). An issuer thread starts the best partition while any credit
+is left (ByteScheduler blocks only while the remaining credit is <= 0: up to credit plus
+one piece is in flight, none refused). A partition is ready once its gradient is in the
+buffer: on a CPU when its hook runs; on a GPU once the event its hook recorded has happened
+(asked oldest first, outside the hooks' lock, each once, stopping at the first that has
+not), since the host runs ahead and rank 0 would otherwise pick a piece the GPU has yet to
+make, holding back the ready ones. A completer thread waits for partitions in issue order;
+once one has really finished (`Handle.complete`: on a GPU `wait` only orders the stream)
+its credit comes back, and a layer whose last partition it was goes to an updater thread,
+which applies its update (methods/layerwise.py); the layer's next forward waits only for
+that. As in ByteScheduler, whose core returns credit in its finish callbacks and whose
+plug-in's poller steps the parameters, no update holds back a partition's credit.
+`synchronize` and `step` return at once; `drain` waits for every update and partition.
+With `cycle_s` the pieces go as ByteScheduler's went through Horovod: those issued within
+one cycle start together at its end, consecutive ones fused into one all-reduce of at most
+`fusion_bytes` (Horovod's fusion buffer: copied unless they lie next to each other).
 
 On a GPU each thread queues its work on a stream of its own (methods/base.py
-`start_thread`), never on the compute stream, and streams are ordered by events alone:
-a gradient hook records an event once the gradient is in the buffer, and the issuer's
-stream waits for it before the piece goes; the completer's stream waits for the
-piece's communication (`Handle.wait`), the updater's stream waits for an event the
-completer recorded after that and runs the layer's update; the compute stream waits for
-that update only before the layer's next forward (methods/layerwise.py).
+`start_thread`), never on the compute stream, and streams are ordered by events alone: the
+issuer's stream waits for the event a gradient hook recorded, the completer's for the
+piece's communication (`Handle.wait`), the updater's for an event the completer recorded
+after that; the compute stream waits for a layer's update only before its next forward.
 
-With several ranks, rank 0 decides the issue order (and the fused groups) and the
-others follow it (methods/order.py). Collectives need that to be correct at all. Horovod
-matches pieces by name (`ordered = False`): as its ByteScheduler plug-in, rank 0 schedules,
-the others submit each piece once ready, and Horovod's coordinator keeps rank 0's order.
-PS messages are matched by key, but a partition's pull completes only once every
-worker has pushed it, so workers whose credit windows held different partitions
-could wait for each other forever; one order makes the windows agree, and rank 0's
-credit then bounds every worker's pushes (a PS worker submitting at will pushes at once).
+With several ranks, rank 0 decides the issue order (and the fused groups) and the others
+follow it (methods/order.py): collectives need that to be correct at all. Horovod matches
+pieces by name (`ordered = False`): as its ByteScheduler plug-in, rank 0 schedules, the
+others submit each piece once ready, and Horovod's coordinator keeps rank 0's order. PS
+messages are matched by key, but a pull completes only once every worker has pushed, so
+workers whose credit windows held different partitions could wait for each other forever;
+one order makes the windows agree, and rank 0's credit bounds every worker's pushes.
 """
 
 from __future__ import annotations
@@ -108,10 +96,11 @@ class Priority:
         if (self.cycle_s or self.fusion_bytes) and not getattr(transport, "fuses", False):
             raise ValueError("scheduler cycle_s and fusion_bytes need a transport that can fuse "
                              "pieces (allreduce)")
-        self.credit = self._credit(buffer.flat.element_size())
-        self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s,
-                                   check=self.failure.check, meter=meter,
-                                   scale=transport.scale)
+        elements, nbytes = self.credit_spec
+        self.credit = credit_in_elements(elements=elements, nbytes=nbytes,
+                                         element_size=buffer.flat.element_size())
+        self.layers = LayerUpdates(model, buffer, timeout_s=self.timeout_s, meter=meter,
+                                   check=self.failure.check, scale=transport.scale)
         self._index(len(buffer.params))
         self.delay = HookDelay(self.hook_delay_s, seed=self.delay_seed, rank=transport.rank)
         coordinated = getattr(transport, "coordinated", False)  # Horovod's (module docstring)
@@ -119,8 +108,8 @@ class Priority:
                      "submitter" if coordinated else "follower")
         if self.role == "submitter":  # submits at once: rank 0's credit alone holds back
             self.credit = math.inf
-        self.order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
-        self.order = self.order(transport.group) if self.order and not coordinated else None
+        order = {"leader": OrderLeader, "follower": OrderFollower}.get(self.role)
+        self.order = order(transport.group) if order and not coordinated else None
         self.cond = threading.Condition()
         self.heap: list[tuple[tuple[int, int], int]] = []  # ready here, by priority
         # GPU: (parameter, its gradient's event), hooked but not yet seen to have happened,
@@ -142,10 +131,6 @@ class Priority:
                         for loop, name in ((issue, "issuer"), (self._complete, "completer"),
                                            (self._update, "updater"))]
 
-    def _credit(self, element_size: int) -> int:
-        elements, nbytes = self.credit_spec
-        return credit_in_elements(elements=elements, nbytes=nbytes, element_size=element_size)
-
     def _index(self, n: int) -> None:
         """Per parameter its units; per unit its priority (input side first) and layer."""
         self.units_of = [[] for _ in range(n)]
@@ -156,9 +141,7 @@ class Priority:
             self.units_of[unit.params[0]].append(u)
         self.priority = [(n - 1 - unit.params[0], unit.start) for unit in self.units]
         self.layer_of_unit = [self.layers.layer_of[unit.params[0]] for unit in self.units]
-        self.layer_units = [0] * len(self.layers.names)
-        for layer in self.layer_of_unit:
-            self.layer_units[layer] += 1
+        self.layer_units = [self.layer_of_unit.count(x) for x in range(len(self.layers.names))]
         self.remaining = [0] * len(self.layers.names)
         self.layer_iter = [-1] * len(self.layers.names)  # iteration a layer is busy in
         self.marked = [-1] * n  # iteration a parameter's gradient was last ready in
@@ -177,8 +160,8 @@ class Priority:
         self.buffer.check(i)
         self.collected[i] = event = record(self.device)
         with self.cond:
-            if self.marked[i] == self.iteration or self.layer_iter[layer] not in (-1,
-                                                                                  self.iteration):
+            busy_in = self.layer_iter[layer]
+            if self.marked[i] == self.iteration or busy_in not in (-1, self.iteration):
                 raise RuntimeError(
                     f"the gradient of a parameter of layer {self.layers.names[layer]!r} was "
                     "produced before its previous update was applied; the priority scheduler "
