@@ -307,3 +307,53 @@ def test_a_push_goes_once_its_header_arrived_whatever_the_server_waits_for(tmp_p
     assert got["early"] == "left", got
     assert got["answers"] == [[1.0], [2.0]], got
     assert codes == [0, 0], codes
+
+
+def _headers_ahead_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 serves; rank 0 sends OPEN but holds back its layout (the server's reader waits
+    for it), sends three PUSH headers meanwhile and counts those that left within 2 s;
+    then the layout, the pushes, the answers, CLOSE and STOP."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=dt.timedelta(seconds=20))
+    wire.start("gloo", store=None, rank=rank, timeout_s=20)
+    if rank == 1:
+        serve(num_workers=1)
+        return
+    keys = (0, 1, 2)
+    wire.send(header(OPEN, [len(keys), 1, 0, 1]), 1, tag=CTRL_TAG)
+    heads = [wire.isend(header(PUSH, [key]), 1, tag=CTRL_TAG) for key in keys]
+    left = 0
+    try:  # Gloo's handles tell completion only in wait
+        for head in heads:
+            head.wait(dt.timedelta(seconds=2))
+            left += 1
+    except RuntimeError:
+        pass
+    result = {"left": left}
+    wire.send(torch.tensor([v for key in keys for v in (key, 100)]), 1, tag=LAYOUT_TAG)
+    answers = [torch.zeros(100) for _ in keys]
+    works = [w for key in keys for w in (
+        wire.isend(torch.full((100,), 1.0 + key), 1, tag=KEY_TAG + key),
+        wire.irecv(answers[key], 1, tag=KEY_TAG + key))] + heads[left:]
+    for work in works:
+        work.wait()
+    result["answers"] = [a.unique().tolist() for a in answers]
+    wire.send(header(CLOSE), 1, tag=CTRL_TAG)
+    stop_servers(num_workers=1)
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def test_a_header_leaves_whatever_header_the_server_is_still_reading(tmp_path) -> None:
+    """The server keeps CTRL_AHEAD receives of a worker's control stream posted: three
+    PUSH headers leave while its reader still waits for the plan's layout (with one
+    receive posted at a time, none could: Gloo sends a message only to a posted receive,
+    and the next was posted once the one before was handled). The answers are the pushes,
+    and the worker's STOPs, one for each posted receive, end the server."""
+    out = tmp_path / "worker.json"
+    codes = _spawn(_headers_ahead_rank, 2, _free_port(), str(out), timeout_s=120)
+    got = json.loads(out.read_text())
+    assert got == {"left": 3, "answers": [[1.0], [2.0], [3.0]]}, got
+    assert codes == [0, 0], codes

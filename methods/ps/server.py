@@ -2,15 +2,16 @@
 pushes, sum them on engine threads, answer.
 
 One thread per worker reads that worker's control stream in order (methods/ps/wire.py
-describes the protocol) and posts the receive of each announced partition, from exactly
-that worker on exactly that key's tag, as its header arrives; a second thread per worker
-waits for them in that order and handles each as BytePSHandler does: the key is bound to
-one of the plan's `engine_threads` engine threads (the one with the fewest bytes bound so far,
-methods/ps/server_queue.py), the round's first push becomes the running sum in place (no
-engine work), each later one is queued on the key's thread to be added to it, and after
-the last one (a push from every node: the pushing roots) a copy of the sum into the
-key's answer buffer is queued, which, once run, is sent back to each root. The answer is
-the workers' sum; each worker divides it by their count before its update.
+describes the protocol; CTRL_AHEAD of its receives posted at once) and posts the receive
+of each announced partition, from exactly that worker on exactly that key's tag, as its
+header arrives; a second thread per worker waits for them in that order and handles each
+as BytePSHandler does: the key is bound to one of the plan's `engine_threads` engine
+threads (the one with the fewest bytes bound so far, methods/ps/server_queue.py), the
+round's first push becomes the running sum in place (no engine work), each later one is
+queued on the key's thread to be added to it, and after the last one (a push from every
+node: the pushing roots) a copy of the sum into the key's answer buffer is queued, which,
+once run, is sent back to each root. The answer is the workers' sum; each worker divides
+it by their count before its update.
 
 Each engine thread has a queue of its own (`EngineQueue`): FIFO, or with
 `server_schedule` (BytePS's BYTEPS_SERVER_ENABLE_SCHEDULE) BytePS's heap: the message
@@ -41,7 +42,18 @@ import torch.distributed as dist
 
 from methods.ps import wire
 from methods.ps.server_queue import EngineQueue, ThreadBinding
-from methods.ps.wire import CLOSE, CTRL_TAG, DTYPES, HEADER, KEY_TAG, LAYOUT_TAG, OPEN, PUSH, STOP
+from methods.ps.wire import (
+    CLOSE,
+    CTRL_AHEAD,
+    CTRL_TAG,
+    DTYPES,
+    HEADER,
+    KEY_TAG,
+    LAYOUT_TAG,
+    OPEN,
+    PUSH,
+    STOP,
+)
 
 POLL_S = 0.2
 SUM, COPY = 0, 1  # engine work: add a push into the running sum (SUM_RECV); copy the sum
@@ -114,20 +126,34 @@ class Server:
         return thread
 
     def stream(self, worker: int) -> None:
-        """Serve worker `worker`'s control stream until it sends STOP. This thread reads the
-        headers and posts each announced push's receive as its header arrives; a thread of
-        its own (`_land`) waits for them in order and hands each on. So a push goes as soon
-        as its header has arrived, whatever the server is still waiting for: as ZeroMQ
-        buffers a push ahead of ps-lite's reader, where a receive posted only once the one
-        before had landed cost every push a round trip on Gloo (a message goes once its
-        receiver said it is ready, methods/ps/wire.py), two a unit with its header."""
-        msg = torch.empty(HEADER, dtype=torch.int64)
+        """Serve worker `worker`'s control stream until it sends STOP. This thread keeps
+        CTRL_AHEAD of its headers' receives posted, reads them in order and posts each
+        announced push's receive as its header arrives; a thread of its own (`_land`)
+        waits for the pushes in order and hands each on. So a push goes as soon as its
+        header has arrived, and a header as soon as it is sent, whatever the server is
+        still waiting for: as ZeroMQ buffers messages ahead of ps-lite's reader. On Gloo a
+        message goes once its receiver said it is ready (methods/ps/wire.py): a push's
+        receive posted only once the one before had landed cost every push a round trip,
+        and one header's receive posted at a time made each header wait for the server's
+        "ready" to cross back behind its answers, and queue behind the pushes sent
+        meanwhile."""
+        heads: collections.deque = collections.deque()  # (buffer, its posted receive)
+
+        def post() -> None:
+            msg = torch.empty(HEADER, dtype=torch.int64)
+            heads.append((msg, wire.irecv(msg, worker, tag=CTRL_TAG)))
+
+        for _ in range(CTRL_AHEAD):
+            post()
         landing: queue.SimpleQueue = queue.SimpleQueue()
         lander = self.spawn(f"ps-land{worker}", self._land, worker, landing)
         number, plan = -1, None
         while True:
-            wire.recv(msg, worker, tag=CTRL_TAG)
+            msg, work = heads.popleft()
+            work.wait()
             op, count, dtype = msg[:3].tolist()
+            if op != STOP:
+                post()
             if op == OPEN:
                 keys, node_size, schedule, threads = msg[3:7].tolist()
                 layout = torch.empty(2 * keys, dtype=torch.int64)  # [key, numel] pairs
@@ -145,6 +171,8 @@ class Server:
             elif op == CLOSE:
                 landing.put((CLOSE, number, plan))
             elif op == STOP:
+                for _, work in heads:  # the worker's other STOPs
+                    work.wait()
                 landing.put(None)
                 while lander.is_alive() and not self.errors:
                     lander.join(POLL_S)

@@ -52,7 +52,17 @@ from methods.plan import Unit
 from methods.ps import wire
 from methods.ps.node import HostStaging, Node, _Exchange, _Pipeline, node_staging
 from methods.ps.scatter import ScatterPipeline
-from methods.ps.wire import CLOSE, CTRL_TAG, DTYPES, LAYOUT_TAG, OPEN, STOP, header, naming_server
+from methods.ps.wire import (
+    CLOSE,
+    CTRL_AHEAD,
+    CTRL_TAG,
+    DTYPES,
+    LAYOUT_TAG,
+    OPEN,
+    STOP,
+    header,
+    naming_server,
+)
 
 
 def server_ranks(num_workers: int) -> list[int]:
@@ -61,8 +71,11 @@ def server_ranks(num_workers: int) -> list[int]:
 
 
 def stop_servers(*, num_workers: int) -> None:
-    """This worker is done: tell every server (each stops once all workers said so)."""
-    _tell_servers(header(STOP), server_ranks(num_workers))
+    """This worker is done: tell every server (each stops once all workers said so),
+    once for each receive it keeps posted (wire.CTRL_AHEAD), so none is left behind."""
+    stop = header(STOP)
+    for _ in range(CTRL_AHEAD):
+        _tell_servers(stop, server_ranks(num_workers))
 
 
 def _tell_servers(msg: torch.Tensor, servers: list[int], *, tag: int = CTRL_TAG) -> None:

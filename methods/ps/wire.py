@@ -7,7 +7,10 @@ Messages are matched by (peer, tag), never by arrival order:
 - control stream, tag CTRL_TAG, worker -> server, fixed-size int64 headers:
   OPEN (a plan starts: its keys and sizes follow on LAYOUT_TAG), PUSH (these
   keys' data follow, each on tag KEY_TAG + key), CLOSE (the plan ends), STOP
-  (the worker is done). Every worker sends OPEN, CLOSE and STOP; only roots push.
+  (the worker is done). Every worker sends OPEN, CLOSE and STOP; only roots push. A
+  server keeps CTRL_AHEAD receives of each worker's stream posted, so a header never
+  waits for the server to have read the one before (on Gloo a message goes only to a
+  posted receive); a worker ends with CTRL_AHEAD STOPs, one for each.
 - data, tag KEY_TAG + key: the root's partition; the server answers on the same tag
   with the sum over the nodes.
 - inside a node (scatter path, methods/ps/scatter.py), tag KEY_TAG + key between a worker
@@ -43,6 +46,7 @@ import torch.distributed as dist
 CTRL_TAG, LAYOUT_TAG, SHM_TAG, LANDED_TAG, KEY_TAG = 1, 2, 3, 4, 16
 OPEN, PUSH, CLOSE, STOP = 1, 2, 3, 4
 HEADER = 64  # int64 words: [op, count, dtype, values...]
+CTRL_AHEAD = 16  # a server's receives of a worker's control stream posted at once
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
