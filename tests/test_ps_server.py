@@ -261,15 +261,32 @@ def test_the_scheduled_queue_is_libstdcxx_heap_under_bytepses_comparator(tmp_pat
         assert got == want, f"seed {seed}: {ops}"
 
 
-def _early_push_rank(rank: int, world: int, port: int, out: str) -> None:
-    """Rank 1 serves; rank 0 announces keys 0 and 1 in two headers, sends key 1's push
-    first and waits for it to leave, then key 0's, and reads both answers."""
+def _serving(rank: int, world: int, port: int) -> bool:
+    """Gloo and the PS wire up on 2 ranks; rank 1 serves until rank 0 stops it (True),
+    rank 0 goes on (False)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=20))
     wire.start("gloo", store=None, rank=rank, timeout_s=20)
     if rank == 1:
         serve(num_workers=1)
+    return rank == 1
+
+
+def _report(result: dict, out: str, *, close: bool = True) -> None:
+    """Rank 0: close the plan and stop the server (`close`), write `result`, exit."""
+    if close:
+        wire.send(header(CLOSE), 1, tag=CTRL_TAG)
+        stop_servers(num_workers=1)
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def _early_push_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 serves; rank 0 announces keys 0 and 1 in two headers, sends key 1's push
+    first and waits for it to leave, then key 0's, and reads both answers."""
+    if _serving(rank, world, port):
         return
     pushes = [torch.full((1000,), 1.0 + key) for key in (0, 1)]
     answers = [torch.zeros(1000) for _ in (0, 1)]
@@ -289,11 +306,7 @@ def _early_push_rank(rank: int, world: int, port: int, out: str) -> None:
         for pull in pulls:
             pull.wait()
         result["answers"] = [a.unique().tolist() for a in answers]
-        wire.send(header(CLOSE), 1, tag=CTRL_TAG)
-        stop_servers(num_workers=1)
-    with open(out, "w") as f:
-        json.dump(result, f)
-    os._exit(0)
+    _report(result, out, close=early == "left")
 
 
 def test_a_push_goes_once_its_header_arrived_whatever_the_server_waits_for(tmp_path) -> None:
@@ -313,12 +326,7 @@ def _headers_ahead_rank(rank: int, world: int, port: int, out: str) -> None:
     """Rank 1 serves; rank 0 sends OPEN but holds back its layout (the server's reader waits
     for it), sends three PUSH headers meanwhile and counts those that left within 2 s;
     then the layout, the pushes, the answers, CLOSE and STOP."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=dt.timedelta(seconds=20))
-    wire.start("gloo", store=None, rank=rank, timeout_s=20)
-    if rank == 1:
-        serve(num_workers=1)
+    if _serving(rank, world, port):
         return
     keys = (0, 1, 2)
     wire.send(header(OPEN, [len(keys), 1, 0, 1]), 1, tag=CTRL_TAG)
@@ -339,11 +347,7 @@ def _headers_ahead_rank(rank: int, world: int, port: int, out: str) -> None:
     for work in works:
         work.wait()
     result["answers"] = [a.unique().tolist() for a in answers]
-    wire.send(header(CLOSE), 1, tag=CTRL_TAG)
-    stop_servers(num_workers=1)
-    with open(out, "w") as f:
-        json.dump(result, f)
-    os._exit(0)
+    _report(result, out)
 
 
 def test_a_header_leaves_whatever_header_the_server_is_still_reading(tmp_path) -> None:
