@@ -73,9 +73,7 @@ def server_ranks(num_workers: int) -> list[int]:
 def stop_servers(*, num_workers: int) -> None:
     """This worker is done: tell every server (each stops once all workers said so),
     once for each receive it keeps posted (wire.CTRL_AHEAD), so none is left behind."""
-    stop = header(STOP)
-    for _ in range(CTRL_AHEAD):
-        _tell_servers(stop, server_ranks(num_workers))
+    _tell_servers(header(STOP), server_ranks(num_workers) * CTRL_AHEAD)
 
 
 def _tell_servers(msg: torch.Tensor, servers: list[int], *, tag: int = CTRL_TAG) -> None:
