@@ -14,7 +14,7 @@ import pytest
 
 from harness.config import checks
 from harness.launch import netem
-from harness.measure import microbench, results
+from harness.measure import cpumeter, results
 from tests.conftest import REPO, TINY, run_module
 
 pytestmark = [
@@ -60,10 +60,10 @@ def test_a_shaped_link_keeps_no_core_busy_cutting_packets() -> None:
     with netem.EmulatedNetwork(hosts=2, rate_mbit=1000) as net:
         sink = subprocess.Popen(net.command(1, [sys.executable, "-c", SINK]),
                                 stdout=subprocess.PIPE, text=True)
-        before, start = microbench.busy_seconds(), time.monotonic()
+        before, start = cpumeter.busy_seconds(), time.monotonic()
         subprocess.run(net.command(0, [sys.executable, "-c", SOURCE, net.address(1)]),
                        check=True, timeout=60)
-        cores = (microbench.busy_seconds() - before) / (time.monotonic() - start)
+        cores = (cpumeter.busy_seconds() - before) / (time.monotonic() - start)
         measured = float(sink.communicate(timeout=60)[0])
     assert measured > 800, f"{measured:.1f} Mbit/s"
     assert cores < 0.7, f"{cores:.2f} cores busy while 1 Gbit/s went over the link"

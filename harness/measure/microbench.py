@@ -3,9 +3,9 @@ measures): timed point-to-point transfers and all-reduces per message size, the 
 alpha + beta * bytes, the table and the parquet file rank 0 writes.
 
 Beside each time, the CPU it took (`cpu_s`): the CPU seconds the machine was busy (all
-cores: user, system, irq and softirq time) over the timed rounds, per operation, read by
-rank 0 after the warm-up and at the end (first messages set up buffers and connections);
-fitted like the times (`cpu_alpha_s`, `cpu_s_per_byte`). CPU time is what the
+cores: user, system, irq and softirq time) per operation, read by rank 0 over operations
+repeated after the timed ones until they fill a window long enough for /proc/stat's ticks
+(cpumeter.py); fitted like the times (`cpu_alpha_s`, `cpu_s_per_byte`). CPU time is what the
 communication takes from the run's compute where they share cores
 (harness/predict/cpushare.py). The machine's clock, not the ranks' own: on a shaped link
 (tc tbf) most of a packet's kernel work runs in softirq context, on the qdisc's watchdog
@@ -16,8 +16,6 @@ runs on another host. Tables older than these columns load without them."""
 from __future__ import annotations
 
 import math
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +27,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness.launch.rank import Context
-from harness.measure import psbench, results
+from harness.measure import cpumeter, psbench, results
 from harness.measure.timing import device_sync
 from methods.costmodel import Cost, least_squares
 from methods.costtiming import time_allreduce
@@ -65,20 +63,19 @@ def pairs(*, nodes: int, workers_per_node: int) -> dict[str, tuple[int, int]]:
 
 def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
              pair: tuple[int, int] = (0, 1), over_wire: bool = False,
-             cpu: Callable[[], float] = lambda: math.nan) -> tuple[float, float]:
+             cpu: Callable[[], float] = lambda: math.nan,
+             group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     """Median one-way seconds of `nbytes` between the ranks of `pair` (ping-pong / 2), on
     the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do),
     or `over_wire`: host tensors over the PS wire (methods/ps/wire.py, cluster.ps_wire),
-    as pushes and pulls travel; other ranks return 0 at once. Beside it, the CPU seconds
-    (`cpu`, rank 0's clock) per one-way message, after the warm-up."""
+    as pushes and pulls travel; other ranks return 0. Beside it, the CPU seconds (`cpu`,
+    rank 0's clock, cpumeter.per_call) per one-way message. Every rank of `group` calls it."""
     device = torch.device("cpu") if over_wire else device
     send, recv = (_wire_send, _wire_recv) if over_wire else (_dist_send, _dist_recv)
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
     first, second = pair
-    samples, spent = [], math.nan
-    for i in range(repeats + 1):
-        device_sync(device)
-        start = time.perf_counter()
+
+    def ping_pong() -> None:
         if rank == first:
             send(buf, second)
             recv(buf, second)
@@ -86,12 +83,16 @@ def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
             recv(buf, first)
             send(buf, first)
         device_sync(device)
+
+    samples = []
+    for i in range(repeats + 1):
+        device_sync(device)
+        start = time.perf_counter()
+        ping_pong()
         if i:  # the first round trip is a warm-up
             samples.append((time.perf_counter() - start) / 2)
-        else:
-            spent = cpu()
-    spent = (cpu() - spent) / (2 * repeats) if repeats else math.nan
-    return (statistics.median(samples) if samples else 0.0), spent
+    seconds = statistics.median(samples) if samples else 0.0
+    return seconds, cpumeter.per_call(ping_pong, 2 * seconds, cpu=cpu, group=group) / 2
 
 
 def _dist_send(buf: torch.Tensor, peer: int) -> None:
@@ -110,43 +111,19 @@ def _wire_recv(buf: torch.Tensor, peer: int) -> None:
     wire.recv(buf, peer, tag=WIRE_TAG)
 
 
-def cpu_clock(rank: int) -> Callable[[], float]:
-    """Every rank of the run calls it (an object gather on the default group, servers
-    included): on rank 0, `busy_seconds` where every rank runs on this host, else a clock
-    of NaN; on the others, a clock of NaN."""
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    here = rank == 0 and all(host == socket.gethostname() for host in hosts)
-    return busy_seconds if here else lambda: math.nan
-
-
-def busy_seconds() -> float:
-    """The CPU seconds this machine's cores have been busy since boot (/proc/stat's first
-    line: user, nice, system, irq, softirq and steal time), NaN where there is no
-    /proc/stat. Sampled in ticks (1/CLK_TCK s, each the state the core was in): a window of
-    a few ms reads none or a whole tick, without bias, so the fit over sizes averages it."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = f.readline().split()[1:9]
-    except OSError:
-        return math.nan
-    return sum(int(t) for i, t in enumerate(ticks) if i not in (3, 4)) / os.sysconf(
-        "SC_CLK_TCK")  # 3, 4: idle and iowait
-
-
 def metered_allreduce(cpu: Callable[[], float], group: dist.ProcessGroup | None, numel: int,
                       *, repeats: int, device: torch.device) -> tuple[float, float]:
-    """`time_allreduce`'s median seconds, and the CPU seconds (`cpu`) per
-    all-reduce over its warm-up and timed ones, after a warm-up of its own."""
-    dist.all_reduce(torch.zeros(numel, device=device), group=group)
-    before = cpu()
+    """`time_allreduce`'s median seconds, and the CPU seconds (`cpu`) per all-reduce
+    (cpumeter.per_call)."""
     seconds = time_allreduce(group, numel, repeats=repeats, device=device)
-    return seconds, (cpu() - before) / (repeats + 1)
+    buf = torch.zeros(numel, device=device)
+    return seconds, cpumeter.per_call(lambda: dist.all_reduce(buf, group=group), seconds,
+                                      cpu=cpu, group=group)
 
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
-    cpu = cpu_clock(ctx.rank)
+    cpu = cpumeter.cpu_clock(ctx.rank)
     if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
         psbench.server(ctx)
         return
@@ -160,7 +137,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         for kind, pair, wired in timed:
             rows.append((kind, f"{pair[0]}-{pair[1]}", nbytes, *time_p2p(
                 nbytes, rank=ctx.rank, repeats=repeats, device=ctx.device, pair=pair,
-                over_wire=wired, cpu=cpu)))
+                over_wire=wired, cpu=cpu, group=ctx.worker_group)))
         rows.append(("allreduce", "all", nbytes, *metered_allreduce(
             cpu, ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
     if ctx.num_servers:  # a PS method: round trip and flight through the real server (psbench)

@@ -31,7 +31,7 @@ a round. Both fitted to alpha +
 beta * bytes like the links; each row names the PS wire it used (`ps_wire`). Beside the
 seconds, the CPU seconds the machine was busy (the roots, the other workers, the servers,
 and the kernel's work for their messages) per round trip, or per partition of the flight
-(`cpu_s`, read by rank 0 on microbench's clock over the timed rounds): what the PS path
+(`cpu_s`, read by rank 0 over rounds repeated to fill cpumeter.py's window): what the PS path
 takes from compute where the run shares cores (harness/predict/cpushare.py).
 
 Where nodes have several workers, the node's own part of a partition's way around the push
@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from harness.launch.rank import Context
+from harness.measure import cpumeter
 from methods.ps import wire
 from methods.ps.order import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Node
 from methods.ps.server import serve
@@ -159,14 +160,13 @@ def _node_part(node: Node, steps: tuple[int, ...], chunk: torch.Tensor,
 def _metered(ctx: Context, one: Callable[[], None], repeats: int, cpu: Callable[[], float]
              ) -> tuple[float, float]:
     """Median seconds of `one()` on every worker at once, over `repeats` rounds after a
-    warm-up, and the CPU seconds (`cpu`) per round over those rounds."""
-    samples, spent = [], math.nan
+    warm-up, and the CPU seconds (`cpu`) per round (cpumeter.per_call)."""
+    samples = []
     for i in range(repeats + 1):
         dist.barrier(group=ctx.worker_group)
         start = time.perf_counter()
         one()
         if i:
             samples.append(time.perf_counter() - start)
-        else:
-            spent = cpu()
-    return statistics.median(samples), (cpu() - spent) / repeats
+    seconds = statistics.median(samples)
+    return seconds, cpumeter.per_call(one, seconds, cpu=cpu, group=ctx.worker_group)
