@@ -77,6 +77,12 @@ def test_selfcheck_measures_and_predicts_into_one_folder(tmp_path: Path) -> None
     assert "validation, uncalibrated: median_abs_pct_error=" in out.stdout
     assert "selfcheck: clusters=1" in out.stdout
     assert (folder / "selfcheck_bert_tiny.png").stat().st_size > 10_000
+    # the machine's CPU an iteration, read and predicted: no more than the cores give
+    cells = pd.read_csv(folder / "selfcheck_cells.csv")
+    assert (cells.cpu_measured_s > 0).all() and (cells.cpu_predicted_s > 0).all(), cells
+    ran = rows[rows.source == "measured"]
+    per_iteration = ran.timed_s / ran.timed_iters
+    assert (ran.machine_cpu_s <= checks.cores() * per_iteration * 1.05 + 0.02).all(), ran
     again = run_module("harness.methodbench", "--selfcheck", "--predict", str(folder), *sweep,
                        timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import platform
 import resource
@@ -29,7 +30,7 @@ import models
 from harness.config.ranks import num_workers
 from harness.config.schema import step_ending
 from harness.launch.rank import Context
-from harness.measure import results, timeline, traces
+from harness.measure import cpumeter, results, timeline, traces
 from harness.measure.progress import Progress
 from harness.measure.results import identity
 from harness.measure.timing import PHASES, Clock, study_rate, timed_window
@@ -186,8 +187,11 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         step(Clock(ctx.device))
     method.drain()
     method.meter.reset()
+    cpu = cpumeter.busy_seconds if ctx.rank == 0 and on_one_machine(cfg) else _nan
+    before = cpu()
     window = timed_window(step, iters=cfg.run.timed_iters, drain=method.drain,
                           device=ctx.device, group=ctx.worker_group)
+    machine_cpu = (cpu() - before) / cfg.run.timed_iters
     if shown is not None:
         shown.close()
     ctx.beat("gathering the timings")
@@ -196,7 +200,7 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
     study = study_rate(window.host_starts, samples_per_step=ctx.num_workers
                        * cfg.model.local_batch_size)
     per_rank = _gather((window.seconds, window.iter_times, window.phases,
-                        peak_memory(ctx.device), host, study), ctx)
+                        peak_memory(ctx.device), host, study, machine_cpu), ctx)
     if cfg.run.trace:
         trace_repeat(cfg, ctx, per_rank, method, lambda marks: train_iteration(
             model, method, optimizer, batch, marks, ending=ending, device=ctx.device))
@@ -224,6 +228,16 @@ def trace_repeat(cfg: DictConfig, ctx: Context, per_rank: list, method: methods.
     path = traces.write(trace, traces.trace_path(cfg.results_dir, name), about)
     print(f"[{ctx.run_id}] repeat {ctx.repeat + 1}/{cfg.run.repeats}: trace of rank "
           f"{ctx.rank}{' (the slowest)' if ctx.rank == slowest else ''} -> {path}", flush=True)
+
+
+def on_one_machine(cfg: DictConfig) -> bool:
+    """Whether every rank of the run, servers included, runs on this machine (a local or
+    emulated cluster), so its CPU clock (`machine_cpu_s`) is the run's."""
+    return cfg.cluster.name in ("local", "emulated")
+
+
+def _nan() -> float:
+    return math.nan
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -264,7 +278,7 @@ def _gather(obj, ctx: Context) -> list:
 
 def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: list,
          plan: dict, info: dict) -> dict:
-    windows, rank_iters, phases, memory, host, study = zip(*per_rank)
+    windows, rank_iters, phases, memory, host, study, cpu = zip(*per_rank)
     phase_means = torch.tensor(phases, dtype=torch.float64).mean(dim=(0, 1))
     samples = ctx.num_workers * cfg.model.local_batch_size * cfg.run.timed_iters
     rates = {"window": samples / max(windows), "study": study[0]}  # the study's: rank 0's
@@ -277,6 +291,7 @@ def _row(cfg: DictConfig, ctx: Context, *, repeat: int, per_rank: list, hosts: l
         **dict(zip(PHASES, phase_means.tolist())),
         "peak_memory_bytes": max(memory),
         **dict(zip(("method_host_s", "method_wait_s"), _mean_over_ranks(host))),
+        "machine_cpu_s": None if math.isnan(cpu[0]) else cpu[0],  # rank 0's reading
         "status": "ok", "backend": ctx.backend, "device": device_name(ctx.device),
         "hostnames": [h for h, _ in hosts], "devices": [d for _, d in hosts],
         "plan_json": json.dumps(plan),

@@ -41,7 +41,7 @@ METRICS = [
     "throughput", "throughput_window", "throughput_study", "timed_s", "iter_times_s",
     "rank_iter_times_s",
     "forward_s", "backward_s", "comm_s", "update_s", "peak_memory_bytes",
-    "method_host_s", "method_wait_s",
+    "method_host_s", "method_wait_s", "machine_cpu_s",
 ]
 STATUS = ["status", "error"]
 PROVENANCE = [
@@ -77,6 +77,7 @@ SCHEMA = pa.schema([
     ("forward_s", pa.float64()), ("backward_s", pa.float64()),
     ("comm_s", pa.float64()), ("update_s", pa.float64()), ("peak_memory_bytes", pa.int64()),
     ("method_host_s", pa.float64()), ("method_wait_s", pa.float64()),
+    ("machine_cpu_s", pa.float64()),
     ("status", pa.string()), ("error", pa.string()),
     ("git_commit", pa.string()), ("torch_version", pa.string()), ("backend", pa.string()),
     ("device", pa.string()), ("hostnames", pa.list_(pa.string())),

@@ -88,7 +88,9 @@ class Share:
             return {}
         cpu = self.comm_cpu_s if math.isfinite(self.comm_cpu_s) else None
         return {"cores": self.cores, "busy_cores": self.busy, "comm_cpu_s": cpu,
-                "cpu_floor_s": self.floor_s if cpu is not None else None}
+                "cpu_floor_s": self.floor_s if cpu is not None else None,
+                # the machine's CPU seconds an iteration (a measured row's machine_cpu_s)
+                "machine_cpu_s": self.floor_s * self.cores if cpu is not None else None}
 
 
 NONE = Share()  # a run that shares no cores with its communication

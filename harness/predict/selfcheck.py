@@ -19,7 +19,9 @@ workers over eth1g and eth100m) and, into one results folder `<results_dir>/<tim
 4. prints, per model, network and cluster (nodes x workers), the median and max absolute
    error of the predicted throughput and the Kendall tau of the methods' order, against
    the targets (median <= 10%, tau >= 0.6, max <= 25%); writes them as `selfcheck.csv`
-   and draws `selfcheck_<model>.png`: measured beside predicted, bar by bar.
+   (per configuration `selfcheck_cells.csv`, with the machine's CPU seconds an iteration
+   measured and predicted: the inputs of the shared cores' floor, cpushare.py) and draws
+   `selfcheck_<model>.png`: measured beside predicted, bar by bar.
 
 With `run.trace=true simulate.trace=true` it also compares each configuration's traced
 iteration, measured (rank 0) against predicted: the median absolute difference of the
@@ -36,6 +38,7 @@ failed, 2 on bad input (nothing started).
 from __future__ import annotations
 
 import datetime as dt
+import math
 import statistics
 import subprocess
 import sys
@@ -53,6 +56,9 @@ EXPERIMENT = "experiment=selfcheck"
 CLUSTER = ["model", "network", "nodes", "workers_per_node"]  # one cluster of one model
 CELL = [*CLUSTER, "method"]
 TARGETS = {"median": 10.0, "max": 25.0, "tau": 0.6}  # issue 43
+# the machine's CPU seconds an iteration, measured (rank 0's clock over the window) and
+# predicted (cpushare.py: the compute's busy cores and the messages' measured CPU)
+CPU = ["cpu_measured_s", "cpu_predicted_s"]
 
 
 @dataclass(frozen=True)
@@ -121,8 +127,9 @@ def run(command: list[str]) -> tuple[int, str]:
 # -- the comparison ------------------------------------------------------------------------
 
 def cells(folder: Path) -> pd.DataFrame:
-    """Per configuration: measured (mean over ok repeats) and predicted throughput, and the
-    predicted one's error in % of the measured."""
+    """Per configuration: measured (mean over ok repeats) and predicted throughput, the
+    predicted one's error in % of the measured, and the machine's CPU seconds an iteration
+    each way (`CPU`; NaN where not read)."""
     rows = results.load(folder)
     newest = max(folder.glob("sim-*_r0.parquet"), key=lambda f: f.stat().st_mtime, default=None)
     rows = rows[(rows.status == "ok") & ((rows.source == "measured") | (
@@ -130,10 +137,13 @@ def cells(folder: Path) -> pd.DataFrame:
     mean = rows.groupby([*CELL, "source"]).throughput.mean().unstack("source")
     both = mean.dropna(subset=[c for c in ("measured", "simulated") if c in mean])
     if not {"measured", "simulated"} <= set(both.columns):
-        return pd.DataFrame(columns=[*CELL, "measured", "simulated", "pct_error"])
-    both = both[["measured", "simulated"]].dropna().reset_index()
+        return pd.DataFrame(columns=[*CELL, "measured", "simulated", "pct_error", *CPU])
+    both = both[["measured", "simulated"]].dropna()
     both["pct_error"] = 100 * (both.simulated - both.measured) / both.measured
-    return both
+    cpu = rows.groupby([*CELL, "source"]).machine_cpu_s.mean().unstack("source")
+    for source, column in zip(("measured", "simulated"), CPU):
+        both[column] = cpu[source] if source in cpu else math.nan
+    return both.reset_index()
 
 
 def scores(both: pd.DataFrame) -> pd.DataFrame:

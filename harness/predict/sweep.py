@@ -46,6 +46,7 @@ def row(cfg: Config, pred: Prediction, compute: profile.Compute, *, run_id: str,
         "throughput_study": pred.throughput, "timed_s": pred.iteration_s * cfg.run.timed_iters,
         "forward_s": compute.forward_s, "backward_s": sum(compute.backward_s),
         "comm_s": pred.exposed_s, "update_s": compute.update_s, "status": "ok",
+        "machine_cpu_s": pred.plan.get("machine_cpu_s"),  # on shared cores (cpushare.py)
         "device": compute.source, "plan_json": json.dumps({
             **pred.plan, "bottleneck": pred.bottleneck, "compute": compute.source,
             "calibrated": compute.calibrated}),
