@@ -117,8 +117,12 @@ def metered_allreduce(cpu: Callable[[], float], group: dist.ProcessGroup | None,
     (cpumeter.per_call)."""
     seconds = time_allreduce(group, numel, repeats=repeats, device=device)
     buf = torch.zeros(numel, device=device)
-    return seconds, cpumeter.per_call(lambda: dist.all_reduce(buf, group=group), seconds,
-                                      cpu=cpu, group=group)
+
+    def one() -> None:  # waited for, as timed: NCCL's proxy threads work until it is done
+        dist.all_reduce(buf, group=group)
+        device_sync(device)
+
+    return seconds, cpumeter.per_call(one, seconds, cpu=cpu, group=group)
 
 
 def worker(cfg: DictConfig, ctx: Context) -> None:
