@@ -38,8 +38,14 @@ def profile_processes(cfg: Config) -> int:
     emulated cluster on one of its networks: loopback or a rate-limited one), whose
     workers share its cores: then as many as it has workers, as the run starts them (on
     GPUs process k on GPU k, as the launcher places worker k)."""
-    ours = cfg.cluster.name in ("local", "emulated") and not is_real_network(cfg.network)
+    ours = on_one_machine(cfg) and not is_real_network(cfg.network)
     return num_workers(cfg) if ours else 1
+
+
+def on_one_machine(cfg: Config) -> bool:
+    """Whether every rank of the run, servers included, runs on this machine: a local or
+    emulated cluster."""
+    return cfg.cluster.name in ("local", "emulated")
 
 
 def host_of(cfg: Config, rank: int) -> int:

@@ -27,7 +27,7 @@ from torch import nn
 
 import methods
 import models
-from harness.config.ranks import num_workers
+from harness.config.ranks import num_workers, on_one_machine
 from harness.config.schema import step_ending
 from harness.launch.rank import Context
 from harness.measure import cpumeter, results, timeline, traces
@@ -187,7 +187,8 @@ def run_repeat(cfg: DictConfig, ctx: Context, *, done: int) -> tuple[list, dict,
         step(Clock(ctx.device))
     method.drain()
     method.meter.reset()
-    cpu = cpumeter.busy_seconds if ctx.rank == 0 and on_one_machine(cfg) else _nan
+    # the machine's clock is the run's where every rank runs here (rank 0 reads it)
+    cpu = cpumeter.busy_seconds if ctx.rank == 0 and on_one_machine(cfg) else cpumeter.no_clock
     before = cpu()
     window = timed_window(step, iters=cfg.run.timed_iters, drain=method.drain,
                           device=ctx.device, group=ctx.worker_group)
@@ -228,16 +229,6 @@ def trace_repeat(cfg: DictConfig, ctx: Context, per_rank: list, method: methods.
     path = traces.write(trace, traces.trace_path(cfg.results_dir, name), about)
     print(f"[{ctx.run_id}] repeat {ctx.repeat + 1}/{cfg.run.repeats}: trace of rank "
           f"{ctx.rank}{' (the slowest)' if ctx.rank == slowest else ''} -> {path}", flush=True)
-
-
-def on_one_machine(cfg: DictConfig) -> bool:
-    """Whether every rank of the run, servers included, runs on this machine (a local or
-    emulated cluster), so its CPU clock (`machine_cpu_s`) is the run's."""
-    return cfg.cluster.name in ("local", "emulated")
-
-
-def _nan() -> float:
-    return math.nan
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -43,7 +43,12 @@ def cpu_clock(rank: int) -> Callable[[], float]:
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     here = rank == 0 and all(host == socket.gethostname() for host in hosts)
-    return busy_seconds if here else lambda: math.nan
+    return busy_seconds if here else no_clock
+
+
+def no_clock() -> float:
+    """The clock of a rank that reads none: NaN."""
+    return math.nan
 
 
 def per_call(one: Callable[[], None], seconds: float, *, cpu: Callable[[], float],
