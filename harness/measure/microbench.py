@@ -63,7 +63,7 @@ def pairs(*, nodes: int, workers_per_node: int) -> dict[str, tuple[int, int]]:
 
 def time_p2p(nbytes: int, *, rank: int, repeats: int, device: torch.device,
              pair: tuple[int, int] = (0, 1), over_wire: bool = False,
-             cpu: Callable[[], float] = lambda: math.nan,
+             cpu: Callable[[], float] = cpumeter.no_clock,
              group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     """Median one-way seconds of `nbytes` between the ranks of `pair` (ping-pong / 2), on
     the workers' device (CUDA tensors travel over NCCL on GPU runs, as the methods' do),

@@ -46,7 +46,6 @@ clock leaves out.
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -73,7 +72,7 @@ def server(ctx: Context) -> None:
 
 
 def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
-                cpu: Callable[[], float] = lambda: math.nan
+                cpu: Callable[[], float] = cpumeter.no_clock
                 ) -> list[tuple[str, str, int, float, float]]:
     """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds, CPU
     seconds) per size, of the round trip (`ps`) and of the flight (`ps_flight`, a
@@ -125,7 +124,7 @@ def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
 
 
 def node_paths(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
-               cpu: Callable[[], float] = lambda: math.nan
+               cpu: Callable[[], float] = cpumeter.no_clock
                ) -> list[tuple[str, str, int, float, float]]:
     """Every worker's side; (kind, ranks, bytes, median seconds, CPU seconds) per size of
     the node's part of one partition on each path, `node_scatter` and `node_root` (rank 0's
