@@ -41,7 +41,7 @@ from harness.config import ConfigError, checks, usage
 from harness.config.ranks import external_rank, num_servers, num_workers
 from harness.launch import leftovers
 from harness.launch.launcher import check_launcher, launch
-from harness.launch.rank import exit_now
+from harness.launch.process import exit_now
 
 ENTRY = "harness.measure.preflight"  # the environment section, on every rank
 VERIFY_STEPS = 2

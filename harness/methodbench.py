@@ -70,7 +70,7 @@ from harness.config import checks, paths, usage
 from harness.config.schema import ENGINES, PS_WIRES
 from harness.launch import failure
 from harness.launch.launcher import Terminated, launch, signals_raise
-from harness.launch.rank import new_run_id
+from harness.launch.process import new_run_id
 from harness.measure import progress, results
 from harness.measure.benchratios import ROOT, TWIN, TWINS, UCX, UNMETERED, report
 from harness.predict import selfcheck

@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 from harness.config import ConfigError, usage
 from harness.config.ranks import num_workers
 from harness.launch.launcher import command
-from harness.launch.rank import exit_now
+from harness.launch.process import exit_now
 
 ENTRY = "harness.measure.microbench"  # what every rank runs
 

@@ -26,9 +26,9 @@ import time
 from harness import config
 from harness.config import checks, usage
 from harness.launch.launcher import check_launcher, launch
-from harness.launch.rank import exit_now
+from harness.launch.process import exit_now
 from harness.measure import progress
-from harness.measure.bench import summarize
+from harness.measure.results import summarize
 
 STOPPED = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}  # exit codes of a stopped launcher
 

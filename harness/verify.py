@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from harness.config import ConfigError, usage
 from harness.launch.launcher import command
-from harness.launch.rank import exit_now
+from harness.launch.process import exit_now
 
 ENTRY = "harness.measure.verify"  # what every rank runs
 

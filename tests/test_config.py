@@ -141,9 +141,8 @@ def test_every_experiment_expands_to_valid_jobs() -> None:
             # selfcheck: emulated nodes of this machine (namespaces made when it runs)
             assert len(config.load_all(jobs, simulate=True)) == len(jobs)
             continue
-        for job in jobs:
-            if job not in simulated:
-                config.load([*job, "cluster=slurm"])
+        # as harness.submit loads them
+        config.load_all([[*job, "cluster=slurm"] for job in jobs if job not in simulated])
 
 
 def _settings(experiment: str) -> dict[tuple[str, str], set[tuple]]:

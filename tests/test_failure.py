@@ -211,7 +211,7 @@ def test_every_group_the_harness_makes_times_out_after_run_timeout_s(tmp_path: P
     """A real launch of 4 workers on 2 nodes and 2 servers (a workers' group, node groups),
     the groups' Gloo timeouts read back on every rank."""
     code = ("import sys; from harness.launch.launcher import command; "
-            "from harness.launch.rank import exit_now; "
+            "from harness.launch.process import exit_now; "
             "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.timeouts_entry'))")
     out = subprocess.run(
         [sys.executable, "-c", code, "model=bert_tiny", "method=bsp_ps", "cluster.nodes=2",

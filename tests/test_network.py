@@ -174,7 +174,7 @@ def test_every_rank_of_an_emulated_node_tells_nccl_its_own_host_and_veth(tmp_pat
     # issue 38: `ip netns exec` changes neither the host name nor the boot id, from which
     # NCCL tells hosts apart; without NCCL_HOSTID every emulated node would be one host
     code = ("import sys; from harness.launch.launcher import command; "
-            "from harness.launch.rank import exit_now; "
+            "from harness.launch.process import exit_now; "
             "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.env_entry'))")
     out = subprocess.run(
         [sys.executable, "-c", code, *TINY, "cluster=emulated", "cluster.nodes=3",

@@ -76,7 +76,7 @@ def test_nothing_of_a_repeat_is_alive_in_the_next(servers: bool, tmp_path) -> No
     # two nodes of one worker: the PS methods push to their two servers
     shape = ["cluster.nodes=2"] if servers else ["cluster.workers_per_node=2"]
     code = ("import sys; from harness.launch.launcher import command; "
-            "from harness.launch.rank import exit_now; "
+            "from harness.launch.process import exit_now; "
             "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.release_entry'))")
     out = subprocess.run(
         [sys.executable, "-c", code, *TINY, "model=bert_tiny", f"method={names[0]}",

@@ -61,7 +61,8 @@ def test_plan_measures_each_link_once_then_runs_and_predicts(tmp_path: Path) -> 
 def test_selfcheck_measures_and_predicts_into_one_folder(tmp_path: Path) -> None:
     sweep = ["model=bert_tiny", "method=bsp_a2a,wfbp_ps", "network=eth1g", "cluster.nodes=2",
              "cluster.workers_per_node=1", "run.warmup_iters=1", "run.timed_iters=3",
-             "run.repeats=1", "run.timeout_s=120"]
+             "run.repeats=1", "run.timeout_s=120",  # the machinery, not the numbers:
+             "microbench.max_bytes=262144", "simulate.profile_iters=2"]
     out = run_module("harness.methodbench", "--selfcheck", *sweep, f"results_dir={tmp_path}",
                      timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -27,6 +27,7 @@ from harness.config.schema import (
     GROUPS,
     BenchConf,
     ConfigError,
+    cuda_gpus,
     first_line,
     is_real_network,
     resolve_device,
@@ -187,8 +188,6 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
     """The devices and backend the cluster asks for exist on this machine; `local`: the
     harness starts every rank here. Else (a login node, srun, torchrun) nothing of this
     machine is checked: each rank picks the GPU its task sees, or fails naming it."""
-    import torch
-
     if cluster.gloo_ifname is not None and cluster.name == "emulated":
         raise ConfigError("cluster.gloo_ifname is set by the emulated network itself; "
                           "remove the override")
@@ -199,11 +198,11 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
         raise ConfigError(f"cluster.gloo_ifname={cluster.gloo_ifname!r} is not an interface "
                           f"of this machine (it has {', '.join(names)}); use one of them or "
                           "leave it out")
-    if cluster.device == "cuda" and not torch.cuda.is_available():
+    gpus, workers = cuda_gpus(), cluster.nodes * cluster.workers_per_node
+    if cluster.device == "cuda" and not gpus:
         raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
     if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":
         raise ConfigError("cluster.backend=nccl needs GPUs; use cluster.backend=gloo on CPU")
-    gpus, workers = torch.cuda.device_count(), cluster.nodes * cluster.workers_per_node
     if resolve_device(cluster) == "cuda" and workers > gpus:  # each emulated node its own GPUs
         raise ConfigError(
             f"cluster.nodes={cluster.nodes} x cluster.workers_per_node={cluster.workers_per_node}"

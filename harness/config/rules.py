@@ -23,6 +23,7 @@ from harness.config.schema import (
     PS_WIRES,
     RATES,
     ConfigError,
+    cuda_gpus,
     first_line,
     resolve_device,
     step_ending,
@@ -240,9 +241,7 @@ def _check_profile_gpus(cfg: Config) -> None:
     would: there must be as many (no override lifts it)."""
     if resolve_device(cfg.cluster) != "cuda":
         return
-    import torch
-
-    need, have = profile_processes(cfg), torch.cuda.device_count()
+    need, have = profile_processes(cfg), cuda_gpus()
     if have == 0:
         raise ConfigError("simulate.compute=measured with cluster.device=cuda profiles on a "
                           "GPU, and this machine shows none; use cluster.device=cpu or auto "

@@ -7,6 +7,7 @@ the wrong type is an error before anything starts. Free-form parts (a model's
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,12 +213,23 @@ def is_real_network(network: DictConfig) -> bool:
     return "inter_node" in network
 
 
-def resolve_device(cluster: DictConfig) -> str:
-    """'cuda' or 'cpu' for cluster.device=auto|cuda|cpu on this machine."""
+def cuda_gpus() -> int:
+    """torch.cuda.device_count() of this process, without importing torch (seconds) where
+    no CUDA driver is installed: torch's CUDA runs on the driver's libcuda, so without it
+    there is no GPU, and a command's own process stays torch-free."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
     import torch
 
+    return torch.cuda.device_count()
+
+
+def resolve_device(cluster: DictConfig) -> str:
+    """'cuda' or 'cpu' for cluster.device=auto|cuda|cpu on this machine."""
     if cluster.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda_gpus() else "cpu"
     return cluster.device
 
 

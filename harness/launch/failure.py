@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from harness import config
@@ -55,12 +54,13 @@ NCCL_ABORT = ("NCCL's watchdog aborts a rank whose collective waited past its ti
 def symptom(exc: BaseException) -> str:
     """'timeout' or 'closed' when `exc`, or an error it was raised from, is a peer's
     failure seen from here (Horovod's shut down included); '' when it is this rank's own."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no error of it was raised
     seen: BaseException | None = exc
     while seen is not None:
         if (isinstance(seen, TimeoutError) or TIMED_OUT.search(str(seen))
                 or type(seen).__name__ == "HorovodInternalError"):
             return "timeout"
-        if isinstance(seen, dist.DistError) or CLOSED.search(str(seen)):
+        if (dist and isinstance(seen, dist.DistError)) or CLOSED.search(str(seen)):
             return "closed"
         seen = seen.__cause__
     return ""

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from harness.config import ConfigError, checks, load, to_json
 from harness.config.ranks import external_rank, host_of, num_servers, num_workers
 from harness.launch import failure, leftovers, netem, ports
-from harness.launch.rank import new_run_id, run_rank
+from harness.launch.process import new_run_id
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
@@ -65,6 +65,8 @@ def launch(cfg: DictConfig, *, entry: str) -> tuple[int, str | None]:
     ext = external_rank()
     if ext is None:
         return _launch_local(cfg, entry=entry)
+    from harness.launch.rank import run_rank  # torch: this process is the rank itself
+
     shared = os.environ.get("DDLBENCH_RUN_DIR")  # the array script's, for the blame
     run_dir = Path(shared) if shared and Path(shared).is_dir() else None
     code, run_id = run_rank(cfg, entry=entry, run_id=None, run_dir=run_dir, placed=True, **ext)

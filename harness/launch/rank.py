@@ -22,7 +22,6 @@ import os
 import socket
 import sys
 import traceback
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from harness.config import ConfigError, from_json, resolve_backend, resolve_devi
 from harness.config.ranks import num_servers, num_workers, torch_threads
 from harness.config.schema import first_line
 from harness.launch import failure, horovod
+from harness.launch.process import exit_now, new_run_id
 from methods.ps import wire
 
 
@@ -327,25 +327,6 @@ def _rendezvous(rank: int, world_size: int, timeout: dt.timedelta, *, placed: bo
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         _STORE.append(store)
     return {"store": dist.PrefixStore(f"ddlbench/launch{next(_LAUNCHES)}", _STORE[0])}
-
-
-def exit_now(code: int) -> None:
-    """End a process that ran a rank, skipping the interpreter's finalization.
-
-    Results are written and the process group destroyed by now, but torch's C++
-    objects (Gloo's worker threads, DDP's reducer, groups still referenced by
-    torch._dynamo) would be destroyed during finalization in no fixed order, and a
-    still-joinable thread destroyed there aborts a correct run at exit
-    ("terminate called without an active exception", SIGABRT).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def new_run_id(cfg: DictConfig) -> str:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{cfg.model.name}-{cfg.method.name}-w{num_workers(cfg)}-{uuid.uuid4().hex[:6]}"
 
 
 def _agree_run_id(cfg: DictConfig) -> str:

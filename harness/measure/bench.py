@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch import nn
 
 import methods
 import models
-from harness.config.ranks import num_workers, on_one_machine
+from harness.config.ranks import on_one_machine
 from harness.config.schema import step_ending
 from harness.launch.rank import Context
 from harness.measure import cpumeter, results, timeline, traces
@@ -314,24 +313,6 @@ def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: s
         return
     row = {**identity(cfg, run_id=run_id, repeat=repeat), "status": "failed", "error": error}
     results.write_shard(shards[repeat], [row])
-
-
-def summarize(cfg: DictConfig, run_id: str) -> str:
-    """One line: this run's throughput, its speedup over a 1-worker baseline, its shards."""
-    frame = results.load(Path(cfg.results_dir))
-    mine = frame[(frame.run_id == run_id) & (frame.status == "ok")]
-    where = f"shards: {cfg.results_dir}/{run_id}_r*.parquet"
-    if mine.empty:
-        return f"{cfg.model.name} {cfg.method.name}: no successful repeat; {where}"
-    tput = mine.throughput
-    line = (f"{cfg.model.name} {cfg.method.name} x{num_workers(cfg)} workers: "
-            f"{tput.mean():.1f} ± {tput.std(ddof=0):.1f} samples/s over {len(tput)} repeats")
-    base = frame[(frame.model == cfg.model.name) & (frame.world_size == 1)
-                 & (frame.status == "ok") & (frame.network == cfg.network.name)
-                 & (frame.local_batch_size == cfg.model.local_batch_size)]
-    if not base.empty and num_workers(cfg) > 1:
-        line += f"; speedup {tput.mean() / base.throughput.mean():.2f}x over 1 worker"
-    return f"{line}; {where}"
 
 
 if __name__ == "__main__":

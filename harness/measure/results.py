@@ -20,6 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+from omegaconf import DictConfig
 
 from harness.config import engine as horovod
 from harness.config.cache import installed_version
@@ -334,3 +335,21 @@ def has_failed_row(paths: list[Path]) -> bool:
         if (frame.status == "failed").any():
             return True
     return False
+
+
+def summarize(cfg: DictConfig, run_id: str) -> str:
+    """One line: this run's throughput, its speedup over a 1-worker baseline, its shards."""
+    frame = load(Path(cfg.results_dir))
+    mine = frame[(frame.run_id == run_id) & (frame.status == "ok")]
+    where = f"shards: {cfg.results_dir}/{run_id}_r*.parquet"
+    if mine.empty:
+        return f"{cfg.model.name} {cfg.method.name}: no successful repeat; {where}"
+    tput = mine.throughput
+    line = (f"{cfg.model.name} {cfg.method.name} x{num_workers(cfg)} workers: "
+            f"{tput.mean():.1f} ± {tput.std(ddof=0):.1f} samples/s over {len(tput)} repeats")
+    base = frame[(frame.model == cfg.model.name) & (frame.world_size == 1)
+                 & (frame.status == "ok") & (frame.network == cfg.network.name)
+                 & (frame.local_batch_size == cfg.model.local_batch_size)]
+    if not base.empty and num_workers(cfg) > 1:
+        line += f"; speedup {tput.mean() / base.throughput.mean():.2f}x over 1 worker"
+    return f"{line}; {where}"
