@@ -8,6 +8,7 @@ the wrong type is an error before anything starts. Free-form parts (a model's
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,15 +215,16 @@ def is_real_network(network: DictConfig) -> bool:
 
 
 def cuda_gpus() -> int:
-    """torch.cuda.device_count() of this process, without importing torch (seconds) where
-    no CUDA driver is installed: torch's CUDA runs on the driver's libcuda, so without it
-    there is no GPU, and a command's own process stays torch-free."""
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    import torch
-
+    """torch.cuda.device_count(), without importing torch (seconds) into a process that has
+    not yet where no CUDA driver is installed: torch's CUDA runs on the driver's libcuda,
+    so without it there is no GPU, and a command's own process stays torch-free."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return 0
+        import torch
     return torch.cuda.device_count()
 
 
