@@ -215,9 +215,9 @@ def is_real_network(network: DictConfig) -> bool:
 
 
 def cuda_gpus() -> int:
-    """torch.cuda.device_count(), without importing torch (seconds) into a process that has
-    not yet where no CUDA driver is installed: torch's CUDA runs on the driver's libcuda,
-    so without it there is no GPU, and a command's own process stays torch-free."""
+    """torch.cuda.device_count(). A process that has not imported torch (it takes seconds)
+    does not import it where no CUDA driver is installed: torch's CUDA runs on the driver's
+    libcuda, so without it there is no GPU, and a command's own process stays torch-free."""
     torch = sys.modules.get("torch")
     if torch is None:
         try:
