@@ -201,9 +201,10 @@ def check_devices(cluster: DictConfig, *, local: bool) -> None:
     gpus, workers = cuda_gpus(), cluster.nodes * cluster.workers_per_node
     if cluster.device == "cuda" and not gpus:
         raise ConfigError("cluster.device=cuda but no GPU is visible; use cluster.device=cpu")
-    if cluster.backend == "nccl" and resolve_device(cluster) == "cpu":
+    device = resolve_device(cluster)
+    if cluster.backend == "nccl" and device == "cpu":
         raise ConfigError("cluster.backend=nccl needs GPUs; use cluster.backend=gloo on CPU")
-    if resolve_device(cluster) == "cuda" and workers > gpus:  # each emulated node its own GPUs
+    if device == "cuda" and workers > gpus:  # each emulated node its own GPUs
         raise ConfigError(
             f"cluster.nodes={cluster.nodes} x cluster.workers_per_node={cluster.workers_per_node}"
             f" = {workers} workers, all started on this machine, exceed its {gpus} GPUs (one "
