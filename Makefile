@@ -31,8 +31,11 @@ run: $(STAMP)  # the small study, then its figures, tables and page (plots/index
 	$(PY) -m harness.run experiment=smoke
 	$(PY) -m harness.report
 
+# compileall: each of the suite's processes loads the project's bytecode rather than compiling
+# it again (under PYTHONDONTWRITEBYTECODE nothing else writes it)
 test: $(HOROVOD_STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m compileall -q harness methods models tests > /dev/null
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 faults: $(STAMP)  # every fault of tests/test_faults.py with every kind of method (~15 min)

@@ -382,12 +382,20 @@ def _matrix_rank(rank: int, world: int, shape: tuple, port: int, out: str) -> No
     dist.destroy_process_group()
 
 
+# What every process of _spawn imports, once: the fork server imports them (5-10 s of CPU
+# here) and each process is a fork of it, where spawning each would import them again.
+PRELOAD = ["torch", "torch.distributed", "torchvision", "transformers.models.bert.modeling_bert",
+           "methods", "models", "harness.measure.bench"]
+
+
 def _spawn(fn, world: int, *args, timeout_s: float) -> list[int]:
-    """Run fn(rank, world, *args) in `world` fresh processes; their exit codes.
+    """Run fn(rank, world, *args) in `world` fresh processes (forks of multiprocessing's
+    fork server, which has imported PRELOAD and nothing else ran in); their exit codes.
 
     Raises if they are not all done within `timeout_s` (and kills what is left).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     procs = [ctx.Process(target=fn, args=(rank, world, *args), daemon=True)
              for rank in range(world)]
     for p in procs:

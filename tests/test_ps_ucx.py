@@ -10,7 +10,6 @@ import datetime as dt
 import importlib.util
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -20,26 +19,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
 from harness import config
 from harness.config import ConfigError
 from harness.launch import failure
-from harness.measure import results
+from harness.measure import provenance, results
 from methods.ps import ucx, wire
 from tests.conftest import run_module
+from tests.test_methods import _free_port, _spawn
 
 TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, _world: int, port: int, out: str) -> None:
     """Ranks 0 and 2 send to rank 1 on the same tags; rank 1 receives them from 2 first,
     in the other order of tags; then rank 1 waits for a message nobody sends, and for one
     from rank 2 after rank 2 died."""
@@ -100,17 +93,7 @@ def _receive(store: TCPStore) -> dict:
 def ucx_ranks(tmp_path_factory) -> dict[int, dict]:
     assert ucx.available(), "ucxx is not installed: pip install -e '.[ucx]'"
     out = str(tmp_path_factory.mktemp("ucx") / "said")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(2 * TIMEOUT_S)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive and [p.exitcode for p in procs] == [0, 0, 0]
+    assert _spawn(_rank, 3, _free_port(), out, timeout_s=2 * TIMEOUT_S) == [0, 0, 0]
     return {r: json.loads(Path(f"{out}.{r}").read_text()) for r in range(3)}
 
 
@@ -214,7 +197,7 @@ def test_microbench_times_the_ucx_wire(tmp_path: Path) -> None:
 
 def test_rows_say_their_wire_and_older_shards_load_as_gloo(tmp_path: Path) -> None:
     cfg = config.load(["model=bert_tiny", "method=bsp_ps", "cluster.ps_wire=ucx"])
-    row = {**results.identity(cfg, run_id="new", repeat=0), "status": "ok", "throughput": 1.0}
+    row = {**provenance.identity(cfg, run_id="new", repeat=0), "status": "ok", "throughput": 1.0}
     assert row["ps_wire"] == "ucx"
     assert results.write_shard(results.shard_path(tmp_path, "new", 0), [row])
     old = {k: v for k, v in row.items() if k not in results.WIRE} | {"run_id": "old"}

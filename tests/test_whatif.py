@@ -15,7 +15,7 @@ import pytest
 from harness import config
 from harness.config import gpus
 from harness.config.ranks import profile_processes
-from harness.measure import results
+from harness.measure import provenance, results
 from harness.predict import network, profile
 from tests.conftest import REPO, run_module
 
@@ -121,7 +121,7 @@ def test_a_measured_1_gpu_row_calibrates_its_gpu(tmp_path) -> None:
     calibrated by it."""
     measured = tmp_path / "measured"
     cfg = config.load(["model=resnet50", "cluster.workers_per_node=1"])
-    row = {**results.identity(cfg, run_id="one", repeat=0), "throughput": 700.0,
+    row = {**provenance.identity(cfg, run_id="one", repeat=0), "throughput": 700.0,
            "status": "ok", "device": "NVIDIA GeForce RTX 4090"}
     results.write_shard(results.shard_path(measured, "one", 0), [row])
     out = run_module("harness.simulate", "model=resnet50", "method=bsp_a2a",

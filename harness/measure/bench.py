@@ -29,9 +29,9 @@ import models
 from harness.config.ranks import on_one_machine
 from harness.config.schema import step_ending
 from harness.launch.rank import Context
-from harness.measure import cpumeter, results, timeline, traces
+from harness.measure import cpumeter, timeline, traces
 from harness.measure.progress import Progress
-from harness.measure.results import identity
+from harness.measure.provenance import identity
 from harness.measure.timing import PHASES, Clock, study_rate, timed_window
 from methods.base import device_sync
 from methods.hostmeter import HostMeter
@@ -139,6 +139,8 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         ctx.repeat = repeat
         per_rank, plan, done = run_repeat(cfg, ctx, done=done)
         if ctx.rank == 0:
+            from harness.measure import results  # pandas and pyarrow: only where written
+
             ctx.beat("writing the shard")
             row = _row(cfg, ctx, repeat=repeat, per_rank=per_rank, hosts=hosts, plan=plan,
                        info=info)
@@ -303,6 +305,8 @@ def record_failure(cfg: DictConfig, *, run_id: str, repeat: int | None, error: s
     """Write a failed row for `repeat` (None: the first without a shard), unless that
     repeat has its shard, all repeats have, or the run already has a failed row (the
     launcher's harness.launch.failure.record calls this on any failure)."""
+    from harness.measure import results  # pandas and pyarrow: only where written
+
     shards = {r: results.shard_path(cfg.results_dir, run_id, r)
               for r in range(cfg.run.repeats)}
     written = [r for r, p in shards.items() if p.exists()]

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from harness.launch.rank import Context
 from harness.measure import results
 from harness.measure.bench import device_name, plain_training
-from harness.measure.results import identity
+from harness.measure.provenance import identity
 from harness.measure.timing import Clock, timed_window
 
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from harness.config import engine as horovod
 from harness.config.schema import first_line
 from harness.launch.rank import Context
-from harness.measure.results import nccl_version
+from harness.measure.provenance import nccl_version
 from methods.ps import wire
 
 NET_VARS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "UCX_TLS",

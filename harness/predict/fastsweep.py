@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from harness import config
 from harness.config.frozen import Config, assign, to_json
 from harness.config.ranks import num_servers
-from harness.measure import results
+from harness.measure import provenance, results
 from harness.predict import profile
 from harness.predict.fastpath import Family, Result, predict_family
 from harness.predict.network import key as network_key
@@ -90,7 +90,7 @@ def predict_groups(groups: list[Group]) -> pd.DataFrame:
         if network_key(g.cfg) not in nets:
             nets[network_key(g.cfg)] = network(g.cfg)
         families.setdefault(_family_key(g.cfg), []).append(i)
-    run_id, stack = f"sim-{uuid.uuid4().hex[:8]}", results.software()
+    run_id, stack = f"sim-{uuid.uuid4().hex[:8]}", provenance.software()
     fams, computes = [], []
     for members in families.values():
         computes.append([profiles(groups[i].cfg) for i in members])
@@ -149,7 +149,7 @@ def _rows(groups: list[Group], computes: list[profile.Compute], fam: Family, got
         return [v for v, n in zip(values, sizes) for _ in range(n)]
 
     # config_json: the group's, its shape null (the row's columns give it)
-    ids = [{**results.identity(g.cfg, run_id=run_id, repeat=0, stack=stack),
+    ids = [{**provenance.identity(g.cfg, run_id=run_id, repeat=0, stack=stack),
             "config_json": to_json(assign(assign(g.cfg, SHAPE[0], None), SHAPE[1], None))}
            for g in groups]
     counts = np.array(sizes)  # as plain objects: no pandas string arrays of the same texts

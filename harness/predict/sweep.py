@@ -19,7 +19,7 @@ import pandas as pd
 
 from harness.config.frozen import Config
 from harness.config.ranks import num_workers
-from harness.measure import results
+from harness.measure import provenance, results
 from harness.measure.progress import Progress
 from harness.predict import profile
 from harness.predict.model import Prediction, predict
@@ -36,9 +36,9 @@ def row(cfg: Config, pred: Prediction, compute: profile.Compute, *, run_id: str,
         stack: dict | None = None) -> dict:
     """The result row of a prediction, with its own columns for calibration (iteration_s,
     hidden_s, messages, samples and one) beside those of results.COLUMNS (`stack`: see
-    results.identity)."""
+    provenance.identity)."""
     return {
-        **results.identity(cfg, run_id=run_id, repeat=0, stack=stack), "source": "simulated",
+        **provenance.identity(cfg, run_id=run_id, repeat=0, stack=stack), "source": "simulated",
         "model_params": sum(compute.sizes), "model_tensors": len(compute.sizes),
         # every simulated iteration of the steady state is alike, so the study's statistic
         # (the mean of 10-step rates on rank 0) equals the window's
@@ -85,7 +85,7 @@ def predict_sweep(cfgs: list[Config], given: Inputs | None = None, *,
     beside compute (model.predict)."""
     given = given or inputs(cfgs)
     sweep = _Sweep(cfgs, given.computes, given.networks, f"sim-{uuid.uuid4().hex[:8]}",
-                   results.software(), slowdown or {})
+                   provenance.software(), slowdown or {})
     return pd.DataFrame(sweep.rows())
 
 
