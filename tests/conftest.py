@@ -19,6 +19,9 @@ STUDY = REPO / "conf" / "reference" / "shi2020_ib100.csv"
 
 # A run small enough for a 2-core test machine: few iterations, one repeat.
 TINY = ["run.warmup_iters=1", "run.timed_iters=2", "run.repeats=1", "run.timeout_s=60"]
+# bert_tiny's layers, smaller still: a test of the machinery, not of the model's numbers
+SMALL_BERT = ["model=bert_tiny", "model.build.hidden_size=64", "model.build.intermediate_size=128",
+              "model.build.seq_len=16", "+model.build.vocab_size=1000", "model.local_batch_size=2"]
 
 
 def run_module(module: str, *args: str, timeout: float = 300, env: dict | None = None

@@ -15,12 +15,10 @@ from omegaconf import OmegaConf
 from harness import check
 from harness.config import engine as horovod
 from harness.measure import preflight as rank_side
-from tests.conftest import run_module
+from tests.conftest import SMALL_BERT, run_module
 
 KINDS = ["bsp_a2a", "wfbp_ps", "bytescheduler_a2a"]  # all-reduce, PS, ByteScheduler
-SMALL = ["model=bert_tiny", "model.build.hidden_size=64", "model.build.intermediate_size=128",
-         "model.build.seq_len=16", "+model.build.vocab_size=1000", "model.local_batch_size=2",
-         "run.timeout_s=120", "cluster.device=cpu"]
+SMALL = [*SMALL_BERT, "run.timeout_s=120", "cluster.device=cpu"]
 RUN_TIMEOUT_S = 1200
 
 

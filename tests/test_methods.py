@@ -53,15 +53,14 @@ from methods.costmodel import Cost, least_squares
 from methods.layout import assign, cut
 from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
 from methods.ps import wire as ps_wire
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO, SMALL_BERT, run_module
 
 METHOD_FILES = sorted((REPO / "conf" / "method").glob("*.yaml"))
 METHODS = [p.stem for p in METHOD_FILES]
 
 RESNET = ["model=resnet50_small", "model.build.arch=resnet18", "model.build.image_size=32",
           "model.build.num_classes=10", "model.local_batch_size=4"]
-BERT = ["model=bert_tiny", "model.build.hidden_size=64", "model.build.intermediate_size=128",
-        "model.build.seq_len=16", "+model.build.vocab_size=1000", "model.local_batch_size=2"]
+BERT = SMALL_BERT
 FLAVORS = {
     "resnet": RESNET, "bert": BERT,  # more than two workers: another order of summation
     "resnet_many": [*RESNET, "model.optimizer.lr=1e-4", "verify.steps=1"], "bert_many": BERT,

@@ -14,7 +14,7 @@ from harness import config
 from harness.config import ConfigError
 from harness.config.ranks import torch_threads
 from harness.launch.rank import Seat, group_backend, pick_device, placed_devices
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, SMALL_BERT, TINY
 
 
 def test_an_nccl_run_sends_cpu_tensors_over_gloo_and_servers_hold_no_nccl() -> None:
@@ -79,7 +79,7 @@ def test_nothing_of_a_repeat_is_alive_in_the_next(servers: bool, tmp_path) -> No
             "from harness.launch.process import exit_now; "
             "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.release_entry'))")
     out = subprocess.run(
-        [sys.executable, "-c", code, *TINY, "model=bert_tiny", f"method={names[0]}",
+        [sys.executable, "-c", code, *TINY, *SMALL_BERT, f"method={names[0]}",
          *shape, f"results_dir={tmp_path}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "RELEASE_METHODS": ",".join(names)})

@@ -15,7 +15,7 @@ import models
 from harness import config
 from harness.measure import results
 from tests import soak
-from tests.conftest import REPO, TINY, live_processes, run_module
+from tests.conftest import REPO, SMALL_BERT, TINY, live_processes, run_module
 
 
 def _run(results_dir, *overrides: str, timeout: float = 300):
@@ -143,7 +143,7 @@ def test_repeats_are_separate_shards_and_summary_shows_speedup(results_dir) -> N
 def test_verify_fails_when_the_tolerance_is_impossible() -> None:
     # three workers sum in a different order than the reference, so the parameters
     # differ by rounding; a negative tolerance cannot be met, and verify must say so
-    out = run_module("harness.verify", "cluster.workers_per_node=3", "model=bert_tiny",
+    out = run_module("harness.verify", "cluster.workers_per_node=3", *SMALL_BERT,
                      "verify.atol=0", "verify.rtol=0")
     diff = float(out.stdout.strip().splitlines()[-1].split()[0].split("=")[1])
     assert (out.returncode == 1) == (diff > 0), out.stdout
