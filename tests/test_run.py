@@ -67,11 +67,11 @@ def _assert_no_orphans(frame) -> None:
 
 @pytest.fixture(scope="module")
 def every_method(tmp_path_factory) -> tuple[pd.DataFrame, str]:
-    """The small soak: one sweep of 2-worker bert_tiny runs, every method once (tests/
-    soak.py's round: 5 warm-up iterations, MG-WFBP profiles 5), none failed or aborted;
-    its rows and what it printed."""
+    """The small soak: one sweep of 2-worker runs of the small BERT, every method once
+    (tests/soak.py's round: 5 warm-up iterations, MG-WFBP profiles 5), none failed or
+    aborted; its rows and what it printed."""
     folder = tmp_path_factory.mktemp("every_method")
-    runs, problems, stdout = soak.sweep(1, folder)
+    runs, problems, stdout = soak.sweep(1, folder, *SMALL_BERT[1:])  # [0]: model=bert_tiny
     assert runs == len(config.choices("method")) and problems == []
     return results.load(folder), stdout
 
