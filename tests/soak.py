@@ -6,7 +6,7 @@ Local and emulated runs are sweeps of 2-worker bert_tiny runs over every method
 (the seed varies, so each run is a fresh configuration); verify runs cycle
 through the methods. Prints one line per kind and exits 1 on any failure: a
 non-zero exit, a failed or missing row, or an abort at exit in the output.
-tests/test_run.py runs one round in `make test` (every method once).
+tests/test_run.py runs one round in `make test` (every method once, on the small BERT).
 """
 
 from __future__ import annotations
