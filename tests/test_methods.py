@@ -389,7 +389,7 @@ PRELOAD = ["torch", "torch.distributed", "torchvision", "transformers.models.ber
 
 def _spawn(fn, world: int, *args, timeout_s: float) -> list[int]:
     """Run fn(rank, world, *args) in `world` fresh processes (forks of multiprocessing's
-    fork server, which has imported PRELOAD and nothing else ran in); their exit codes.
+    fork server, a process that has done nothing but import PRELOAD); their exit codes.
 
     Raises if they are not all done within `timeout_s` (and kills what is left).
     """
