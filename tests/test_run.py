@@ -84,9 +84,10 @@ def test_two_worker_run_writes_a_valid_shard(method: str, every_method) -> None:
     assert row.throughput > 0 and row.timed_s > 0
     assert len(row.iter_times_s) == 2 and len(row.rank_iter_times_s) == 2
     # each rank's iterations fill its window (device clock, from its first iteration to
-    # the end of the drain; the window adds the barrier's exit and a synchronize: us)
+    # the end of the drain; the window adds clock reads and a synchronize: microseconds,
+    # a few ms when the loaded machine deschedules the rank; an iteration here is ~20 ms)
     windows = [sum(times) for times in row.rank_iter_times_s]
-    assert max(windows) == pytest.approx(row.timed_s, rel=1e-3)
+    assert row.timed_s - 5e-3 < max(windows) <= row.timed_s
     assert list(row.iter_times_s) == [max(ts) for ts in zip(*row.rank_iter_times_s)]
     expected = 2 * row.local_batch_size * 2 / row.timed_s
     assert row.throughput == pytest.approx(expected)
@@ -187,7 +188,7 @@ def test_methodbench_times_the_plain_loop_and_a_method_and_writes_ratios(results
     assert (frame.status == "ok").all() and (frame.throughput > 0).all()
     plain = frame[frame.method == "plain"].iloc[0]
     assert plain.world_size == 1 and len(plain.iter_times_s) == 2
-    assert sum(plain.iter_times_s) == pytest.approx(plain.timed_s, rel=1e-3)
+    assert plain.timed_s - 5e-3 < sum(plain.iter_times_s) <= plain.timed_s  # as above
     [folder] = results_dir.iterdir()
     assert [p.name for p in folder.iterdir() if p.is_dir()] == ["round1"]
     ratio = json.loads((folder / "ratios.json").read_text())["bert_tiny"]["bsp_a2a/plain@1w"]
