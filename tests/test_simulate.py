@@ -13,7 +13,7 @@ import pytest
 
 from harness import config
 from harness.measure import results
-from harness.predict import engines, model, network, priority, psqueues, sweep
+from harness.predict import engines, model, network, priority, psqueues, sweep, trace
 from harness.predict.profile import Compute
 from methods.costmodel import Cost
 from methods.plan import PerTensor
@@ -359,10 +359,21 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
     assert set(frame[frame.world_size == 1].device) == {"measured:cpu"}
     assert ("bert_tiny on 1 node(s) x 2 worker(s), loopback, measured:cpu x2 processes "
             "(compute calibrated: yes):") in out.stdout
+    # ... and the slower of the two in each iteration: what every step of theirs is taken
+    [straggle] = re.findall(r"the slowest of the 2 took ([\d.]+)x their mean", out.stdout)
+    assert 1.0 < float(straggle) < 2.0
     plots = tmp_path / "plots"
     out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
     assert out.returncode == 0, out.stderr
     assert (plots / "fig_bert_tiny.png").exists()
+
+
+def test_the_slowest_of_processes_profiled_together_over_their_mean() -> None:
+    # k-th iterations side by side: the longest of each over their mean, 3 / 2 and 2 / 2
+    assert trace.slowest([[1.0, 2.0], [3.0, 2.0]]) == pytest.approx(1.25)
+    assert trace.slowest([[1.0, 2.0, 9.0], [3.0, 2.0]]) == pytest.approx(1.25)  # rounds of all
+    assert trace.slowest([[1.0, 20.0], [3.0, 20.0]]) == pytest.approx(1.25)  # a share, not s
+    assert trace.slowest([[1.0, 5.0]]) == 1.0  # one process waits for no one
 
 
 def test_the_best_method_of_a_cell_names_its_ties_and_its_margin() -> None:

@@ -15,7 +15,9 @@ and the optimizer step, timed by one of two clocks:
 - measured: wall-clock time on this machine's device, the median of a few iterations,
   in one process; for a run of this machine's own (a local or emulated cluster on one
   of its networks) in as many processes at once as it has workers, so the slowdown of
-  sharing its cores is in the profile; on GPUs each process on a GPU of its own, as the
+  sharing its cores is in the profile, and so is how much longer the slowest of them
+  takes (`straggle`): a run's iteration waits for its slowest worker, so every step is
+  taken that much longer; on GPUs each process on a GPU of its own, as the
   launcher places workers (a profile needing more GPUs than there are is refused before
   it starts: harness.config). A CPU profile of a GPU cluster says so (`unlike_device`).
 
@@ -55,6 +57,7 @@ class Compute:
     source: str
     byte_s: float = 0.0       # seconds per byte a memory-bound operation moves (0: not known)
     calibrated: str = "no"    # yes: timed by a measurement of this model on this device
+    straggle: float = 1.0     # the slowest of the workers profiled together over their mean
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> Compute:
@@ -71,10 +74,10 @@ class Compute:
 
     def scaled(self, factor: float) -> Compute:
         """Every step `factor` times longer (processes sharing too few cores)."""
-        return Compute(self.sizes, [t * factor for t in self.backward_s], self.layer_of,
-                       [(needs, t * factor) for needs, t in self.forward],
-                       self.update_s * factor, self.source, self.byte_s * factor,
-                       self.calibrated)
+        return dataclasses.replace(
+            self, backward_s=[t * factor for t in self.backward_s],
+            forward=[(needs, t * factor) for needs, t in self.forward],
+            update_s=self.update_s * factor, byte_s=self.byte_s * factor)
 
 
 def counted(model_cfg: Config, *, gpu: GPU, precision: str, efficiency: float,
@@ -159,8 +162,12 @@ class ComputeProfiles:
             measured = Compute.of(trace.measure(
                 model, processes=together, threads=threads, iters=sim.profile_iters,
                 device=config.resolve_device(cfg.cluster), seed=cfg.run.seed))
+            if measured.straggle != 1.0:  # each iteration waits for the slowest worker
+                print(f"  the slowest of the {together} took {measured.straggle:.3f}x their "
+                      "mean iteration: every step is taken that much longer", flush=True)
             self.cache[key] = dataclasses.replace(
-                measured, calibrated="no" if unlike_device(cfg) else "yes")
+                measured.scaled(measured.straggle),
+                calibrated="no" if unlike_device(cfg) else "yes")
         return self.cache[key]
 
     def _on_gpu(self, cfg: Config) -> Compute:

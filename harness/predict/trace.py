@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -201,13 +201,16 @@ def _in_seconds(trace: tuple[list, list, list]) -> tuple[list, list, list]:
 
 def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: int = 0,
               start: Callable[[], object] = lambda: None,
-              keep_busy: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+              keep_busy: Callable[[], bool] = lambda: False,
+              iterations: list[float] | None = None) -> dict[str, Any]:
     """Steps timed on `device`, median of `iters` iterations: on a CPU by the clock, on a
     GPU by events read once the last iteration is queued (`_in_seconds`), never
     synchronizing inside or between them.
 
     `start` is called once the model is built, before the first iteration; after
     the timed ones, iterations go on while `keep_busy()` (load for other profiles).
+    `iterations`, when given, gets each timed iteration's seconds (with and without hooks,
+    alternately).
     """
     import torch
 
@@ -241,6 +244,8 @@ def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: in
     ends, ready, marks = ([statistics.median(v) for v in zip(*(r[k] for r in rel[::2]))]
                           for k in range(3))
     plain = [statistics.median(v) for v in zip(*(r[2] for r in rel[1::2]))]
+    if iterations is not None:
+        iterations += [marks[-1] for _, _, marks in rel]
     return _steps(model, list(zip(order, ends)), ready, marks, scale=1.0,
                   source=f"measured:{where.type}", plain=plain)
 
@@ -248,7 +253,8 @@ def _measured(model_cfg: Mapping[str, Any], *, iters: int, device: str, seed: in
 def _profile_process(model_cfg: dict, iters: int, device: str, seed: int, threads: int,
                      barrier, finished, out) -> None:
     """One of `_measured_together`'s processes: all start their iterations together, and
-    each goes on iterating until every one has finished its timed ones."""
+    each goes on iterating until every one has finished its timed ones. Puts its steps
+    and its timed iterations' seconds."""
     import torch
 
     from harness.config.frozen import freeze
@@ -264,13 +270,16 @@ def _profile_process(model_cfg: dict, iters: int, device: str, seed: int, thread
                 finished.value += 1
         return finished.value < barrier.parties
 
-    out.put(_measured(freeze(model_cfg), iters=iters, device=device, seed=seed,
-                      start=barrier.wait, keep_busy=keep_busy))
+    iterations: list[float] = []
+    steps = _measured(freeze(model_cfg), iters=iters, device=device, seed=seed,
+                      start=barrier.wait, keep_busy=keep_busy, iterations=iterations)
+    out.put((steps, iterations))
 
 
 def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads: int,
                        iters: int, device: str, seed: int = 0) -> dict[str, Any]:
-    """`_measured` in `processes` processes at once; each step's mean over them."""
+    """`_measured` in `processes` processes at once; each step's mean over them, and
+    `straggle` (`slowest`)."""
     import multiprocessing as mp
 
     from harness.config.frozen import thaw
@@ -284,7 +293,7 @@ def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads:
     for proc in procs:
         proc.start()
     try:
-        runs = [out.get(timeout=600) for _ in procs]
+        runs, iterations = zip(*(out.get(timeout=600) for _ in procs))
     finally:
         for proc in procs:
             proc.join(timeout=60)
@@ -296,4 +305,19 @@ def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads:
             "forward": [(needs, statistics.fmean(v)) for (needs, _), *v in
                         zip(first["forward"], *([t for _, t in r["forward"]] for r in runs))],
             "update_s": statistics.fmean(r["update_s"] for r in runs),
-            "source": f"{first['source']} x{processes} processes"}
+            "source": f"{first['source']} x{processes} processes",
+            "straggle": slowest(iterations)}
+
+
+def slowest(iterations: Sequence[Sequence[float]]) -> float:
+    """How much longer the slowest of several processes takes than their mean: over
+    their k-th iterations, the mean of the longest one's share of their mean (1.0 for
+    one). The processes ran at once, so their k-th iterations overlap in time. A collective
+    waits for its slowest member: where workers share a machine, each iteration of a
+    run is as long as the slowest worker's compute (2 emulated eth1g nodes, bert_tiny:
+    the two ranks' compute differed by 41 ms an iteration, median, of about 620 ms,
+    harness/predict/README.md)."""
+    rounds = list(zip(*iterations))
+    if len(iterations) < 2 or not rounds:
+        return 1.0
+    return statistics.fmean(max(r) / statistics.fmean(r) for r in rounds)
