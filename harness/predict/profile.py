@@ -73,7 +73,8 @@ class Compute:
         return self.forward_s + sum(self.backward_s) + self.update_s
 
     def scaled(self, factor: float) -> Compute:
-        """Every step `factor` times longer (processes sharing too few cores)."""
+        """Every step `factor` times longer (processes sharing too few cores, the slowest
+        of several workers)."""
         return dataclasses.replace(
             self, backward_s=[t * factor for t in self.backward_s],
             forward=[(needs, t * factor) for needs, t in self.forward],
