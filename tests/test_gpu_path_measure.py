@@ -172,11 +172,12 @@ def test_profiling_process_k_runs_on_gpu_k(monkeypatch, device: str, expected: l
 
     used: list[str] = []
 
-    def measured(cfg, *, iters, device, seed, start, keep_busy):
+    def measured(cfg, *, iters, device, seed, start, keep_busy, iterations):
         start()
         while keep_busy():
             time.sleep(0.001)
         used.append(device)
+        iterations += [2.0 if device.endswith("1") else 1.0]  # the second process: slower
         return {"sizes": [1], "backward_s": [1.0], "layer_of": [0], "forward": [((0,), 1.0)],
                 "update_s": 1.0, "source": f"measured:{device.split(':')[0]}"}
 
@@ -186,6 +187,23 @@ def test_profiling_process_k_runs_on_gpu_k(monkeypatch, device: str, expected: l
                           device=device)
     assert sorted(used) == expected
     assert steps["source"] == f"measured:{device} x3 processes"
+    # the slowest's iteration over their mean: 2 / (4 / 3) on GPUs, 1 on the CPU's
+    assert steps["straggle"] == pytest.approx(1.5 if device == "cuda" else 1.0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crash
+def test_a_profiling_process_that_dies_ends_the_profile_at_once(monkeypatch) -> None:
+    import multiprocessing
+
+    def measured(cfg, **_):
+        raise MemoryError("out of memory")  # a crash before its first iteration
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: _Threads())
+    monkeypatch.setattr(trace, "_measured", measured)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="a profiling process ended without its profile"):
+        trace.measure(config.load([]).model, processes=2, threads=1, iters=1, device="cpu")
+    assert time.monotonic() - started < 30  # not the 600 s it waits for a live one
 
 
 def test_a_gpu_profile_needing_more_gpus_than_there_are_is_refused(monkeypatch,

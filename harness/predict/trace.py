@@ -292,11 +292,13 @@ def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads:
              for where in devices(device, processes)]
     for proc in procs:
         proc.start()
+    ended = False
     try:
-        runs, iterations = zip(*(out.get(timeout=600) for _ in procs))
+        runs, iterations = zip(*_collect(out, procs))
+        ended = True
     finally:
-        for proc in procs:
-            proc.join(timeout=60)
+        for proc in procs:  # after a failure the others iterate on: ended at once
+            proc.join(timeout=60 if ended else 0)
             if proc.is_alive():
                 proc.kill()
     first = runs[0]
@@ -307,6 +309,33 @@ def _measured_together(model_cfg: Mapping[str, Any], *, processes: int, threads:
             "update_s": statistics.fmean(r["update_s"] for r in runs),
             "source": f"{first['source']} x{processes} processes",
             "straggle": slowest(iterations)}
+
+
+def _collect(out, procs: list, *, timeout_s: float = 600) -> list:
+    """Every process's result from `out`. RuntimeError once a process has ended without
+    putting its own (it crashed: the others would wait for it forever), or after
+    `timeout_s`."""
+    import queue
+
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < len(procs):
+        try:
+            got.append(out.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        dead = [p for p in procs if not p.is_alive()]
+        if len(dead) > len(got):  # what an ended process put is in the queue by now
+            try:
+                got.append(out.get(timeout=1.0))
+                continue
+            except queue.Empty:
+                codes = [getattr(p, "exitcode", None) for p in dead]
+                raise RuntimeError(f"a profiling process ended without its profile (exit "
+                                   f"codes {codes}): its error is above") from None
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the profiling processes gave no profile in {timeout_s:g} s")
+    return got
 
 
 def slowest(iterations: Sequence[Sequence[float]]) -> float:
