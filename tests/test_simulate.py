@@ -361,7 +361,7 @@ def test_measured_compute_on_the_local_loopback(tmp_path) -> None:
             "(compute calibrated: yes):") in out.stdout
     # ... and the slower of the two in each iteration: what every step of theirs is taken
     [straggle] = re.findall(r"the slowest of the 2 took ([\d.]+)x their mean", out.stdout)
-    assert 1.0 < float(straggle) < 2.0
+    assert 1.0 <= float(straggle) < 2.0  # printed to 3 places
     plots = tmp_path / "plots"
     out = run_module("harness.report", f"results_dir={res}", f"out_dir={plots}")
     assert out.returncode == 0, out.stderr
