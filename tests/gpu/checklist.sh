@@ -145,7 +145,7 @@ wait
   done
   $PY tests/gpu/rows.py $R/paper
   hdr "step 2: harness overhead at 1 worker (plain, bsp_a2a, ddp)"
-  TAILN=30 run $(( ${END:-470} - $(date +%s) + T0 > 40 ? ${END:-470} - $(date +%s) + T0 : 40 )) $PY -m harness.methodbench --models resnet50 --methods bsp_a2a,ddp --workers 1 --rounds 3 --timed-iters 50 --engines native --results-dir $R/s2
+  TAILN=30 run $(( ${END:-560} - $(date +%s) + T0 > 40 ? ${END:-560} - $(date +%s) + T0 : 40 )) $PY -m harness.methodbench --models resnet50 --methods bsp_a2a,ddp --workers 1 --rounds 3 --timed-iters 50 --engines native --results-dir $R/s2
 } >> $OUT/a.log 2>&1
 hdr "done" >> $OUT/a.log
 tar czf $OUT/results.tgz -C $R . 2>/dev/null
