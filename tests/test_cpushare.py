@@ -4,6 +4,7 @@ as a real run writes them and as older tables lack them, and no floor off this m
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -65,6 +66,20 @@ def test_communications_cpu_stretches_an_iteration_on_shared_cores() -> None:
         if floor > bare.iteration_s:
             assert pred.bottleneck == "shared cores"
             assert pred.throughput < bare.throughput
+
+
+def test_the_floor_counts_the_mean_workers_cpu_not_the_slowest_ones_wait() -> None:
+    """A profile of workers sharing the cores takes every step as long as the slowest
+    worker's (profile.Compute.straggle); the others wait meanwhile, which burns no CPU."""
+    c = _compute()
+    slow = dataclasses.replace(c.scaled(1.5), straggle=1.5)  # as ComputeProfiles keeps it
+    cfg = _cfg("bsp_a2a", "cluster.workers_per_node=2")
+    net = _net((1, 2), "allreduce")
+    busy = min(checks.cores(), 2)
+    floor = (busy * c.total_s + model.predict(cfg, c, net).plan["comm_cpu_s"]) / checks.cores()
+    pred = model.predict(cfg, slow, net)
+    assert pred.plan["cpu_floor_s"] == pytest.approx(floor)  # 0.561 s; 0.716 s counting the wait
+    assert pred.iteration_s >= floor
 
 
 def test_the_compute_beside_communication_has_the_cores_it_leaves() -> None:

@@ -83,7 +83,9 @@ def predict(cfg: Config, compute: profile.Compute, net: Network, *,
     if log is not None:
         _log_units(comm, units, model.names, log)
     engine = engines.engine_of(cfg, units, compute.sizes, byte_s=compute.byte_s, net=net)
-    share = cpushare.of(cfg, compute.total_s, planned, net)  # the cores a run here shares
+    # the cores a run here shares; the CPU its compute burns is the mean worker's (the
+    # slowest one's longer iteration is the others' wait, not CPU: profile.Compute.straggle)
+    share = cpushare.of(cfg, compute.total_s / compute.straggle, planned, net)
     ends = _iterate(compute, units, comm, kind=kind, credit=credit, cycle_s=cycle_s,
                     fusion=fusion, iterations=cfg.simulate.iterations,
                     ending=step_ending(cfg.run), engine=engine, log=log, share=share)
