@@ -1,4 +1,4 @@
-"""The all-reduce cost model t = alpha + beta * bytes, and its least-squares fit.
+"""The all-reduce cost model t = alpha + beta * bytes, and its least-squares fits.
 
 Pure arithmetic, no torch: MG-WFBP plans with a `Cost`, the simulator fits one to a
 network's modelled all-reduce, and methods/costtiming.py fits one to all-reduces timed
@@ -37,6 +37,28 @@ def least_squares(nbytes: list[float], seconds: list[float]) -> Cost:
     beta = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
     beta = max(beta, 0.0)
     return Cost(alpha=max(my - beta * mx, 0.0), beta=beta)
+
+
+def relative_least_squares(nbytes: list[float], values: list[float]) -> Cost:
+    """The line alpha + beta * nbytes whose errors are smallest as shares of the samples
+    (least squares weighted by 1/value^2), alpha and beta clamped at 0. Over sizes that
+    span orders of magnitude the small ones set alpha and the large ones beta; a plain fit
+    takes alpha from the large samples' noise (the microbenchmark's CPU a PS round trip
+    on 2 x 2 eth1g: alpha 6.2 and 1.2 ms from two tables whose small sizes both cost
+    2.0-2.6 ms; this fit 2.1 and 2.0)."""
+    if len(nbytes) < 2 or len(set(nbytes)) < 2:
+        raise ValueError("fitting alpha and beta needs samples of at least two message sizes")
+    w = [1.0 / max(v, 1e-12) ** 2 for v in values]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, nbytes)) / sw
+    my = sum(wi * y for wi, y in zip(w, values)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, nbytes))
+    beta = max(sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, nbytes, values)) / sxx, 0.0)
+    alpha = my - beta * mx
+    if alpha < 0:  # through the origin: the slope alone
+        alpha, beta = 0.0, (sum(wi * x * y for wi, x, y in zip(w, nbytes, values))
+                            / sum(wi * x * x for wi, x in zip(w, nbytes)))
+    return Cost(alpha=alpha, beta=beta)
 
 
 # MG-WFBP's alpha (s) and beta (s/byte) as the study ran it: hard-coded per worker count and

@@ -164,10 +164,14 @@ def test_the_cpu_clock_counts_another_process_and_not_idle_time() -> None:
     assert cpumeter.busy_seconds() - before < wall * checks.cores()
 
 
-def _table(folder: Path, name: str, **cpu: float) -> None:
-    """A microbenchmark of 2 emulated eth1g nodes x 1 (with CPU columns where given)."""
-    rows = [{"kind": kind, "ranks": "0-1", "bytes": 1024, "seconds": 1e-4, "alpha_s": 1e-4,
-             "beta_s_per_byte": 8e-9, **cpu} for kind in ("p2p", "allreduce", "ps")]
+def _table(folder: Path, name: str, cpu: Cost | None = None) -> None:
+    """A microbenchmark of 2 emulated eth1g nodes x 1 at two sizes (with the CPU columns
+    of `cpu` where given)."""
+    rows = [{"kind": kind, "ranks": "0-1", "bytes": n, "seconds": 1e-4 + 8e-9 * n,
+             "alpha_s": 1e-4, "beta_s_per_byte": 8e-9,
+             **({"cpu_s": cpu.seconds(n), "cpu_alpha_s": cpu.alpha,
+                 "cpu_s_per_byte": cpu.beta} if cpu else {})}
+            for kind in ("p2p", "allreduce", "ps") for n in (1024, 1 << 20)]
     pd.DataFrame(rows).assign(run_id=name, cluster="emulated", network="eth1g", world_size=2,
                               nodes=2, workers_per_node=1).to_parquet(folder / f"{name}.parquet")
 
@@ -179,9 +183,11 @@ def test_older_microbenchmarks_load_without_the_cpu_columns(tmp_path: Path) -> N
                       simulate=True)
     _table(folder, "old")
     assert network.network(cfg).cpu == ()
-    _table(folder, "new", cpu_s=1e-3, cpu_alpha_s=1e-3, cpu_s_per_byte=2e-8)
-    assert dict(network.network(cfg).cpu) == {("allreduce", (2, 1)): Cost(1e-3, 2e-8),
-                                              ("ps", (2, 1)): Cost(1e-3, 2e-8)}
+    _table(folder, "new", Cost(1e-3, 2e-8))
+    cpu = dict(network.network(cfg).cpu)
+    assert set(cpu) == {("allreduce", (2, 1)), ("ps", (2, 1))}
+    for cost in cpu.values():  # fitted anew from the samples
+        assert (cost.alpha, cost.beta) == pytest.approx((1e-3, 2e-8))
 
 
 def test_microbench_rows_carry_the_cpu_of_every_process(results_dir) -> None:

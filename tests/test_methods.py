@@ -49,7 +49,7 @@ from harness.launch.rank import Context, node_groups
 from harness.measure import verify
 from harness.measure.bench import build, model_of
 from harness.measure.verify import flat_params, reference, train
-from methods.costmodel import Cost, least_squares
+from methods.costmodel import Cost, least_squares, relative_least_squares
 from methods.layout import assign, cut
 from methods.plan import Bucket, Partition, PerTensor, mgwfbp_groups
 from methods.ps import wire as ps_wire
@@ -127,6 +127,18 @@ def test_least_squares_recovers_the_line() -> None:
     assert cost.alpha == pytest.approx(2e-5) and cost.beta == pytest.approx(3e-9)
     with pytest.raises(ValueError, match="two message sizes"):
         least_squares([1.0, 1.0], [1.0, 2.0])
+
+
+def test_relative_least_squares_takes_alpha_from_the_small_sizes() -> None:
+    xs = [float(1 << k) for k in range(10, 25, 2)]  # 1 KiB to 16 MiB
+    line = [2e-3 + 1e-8 * x for x in xs]
+    exact = relative_least_squares(xs, line)
+    assert (exact.alpha, exact.beta) == pytest.approx((2e-3, 1e-8))
+    noisy = [y * (0.6 if x == 1 << 22 else 1.0) for x, y in zip(xs, line)]  # 4 MiB 40% low
+    assert relative_least_squares(xs, noisy).alpha == pytest.approx(2e-3, rel=0.1)
+    assert abs(least_squares(xs, noisy).alpha - 2e-3) > 1e-3  # the plain fit's: 0.09 ms
+    falling = relative_least_squares([1.0, 2.0], [2.0, 1.0])  # beta clamped at 0
+    assert (falling.alpha, falling.beta) == (pytest.approx(1.2), 0.0)  # the weighted mean
 
 
 def test_planners_cover_the_buffer_contiguously() -> None:

@@ -5,7 +5,7 @@ alpha + beta * bytes, the table and the parquet file rank 0 writes.
 Beside each time, the CPU it took (`cpu_s`): the CPU seconds the machine was busy (all
 cores: user, system, irq and softirq time) per operation, read by rank 0 over operations
 repeated after the timed ones until they fill a window long enough for /proc/stat's ticks
-(cpumeter.py); fitted like the times (`cpu_alpha_s`, `cpu_s_per_byte`). CPU time is what the
+(cpumeter.py); fitted by shares (`cpu_alpha_s`, `cpu_s_per_byte`: `cpu_fit`). CPU time is what the
 communication takes from the run's compute where they share cores
 (harness/predict/cpushare.py). The machine's clock, not the ranks' own: on a shaped link
 (tc tbf) most of a packet's kernel work runs in softirq context, on the qdisc's watchdog
@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from harness.launch.rank import Context
 from harness.measure import cpumeter, psbench, results
 from harness.measure.timing import device_sync
-from methods.costmodel import Cost, least_squares
+from methods.costmodel import Cost, least_squares, relative_least_squares
 from methods.costtiming import time_allreduce
 from methods.ps import wire
 
@@ -172,10 +172,18 @@ def fitted(frame: pd.DataFrame) -> pd.DataFrame:
         cost = least_squares(nbytes, part.seconds.tolist())
         frame.loc[part.index, ["alpha_s", "beta_s_per_byte"]] = (cost.alpha, cost.beta)
         cpu = part.cpu_s.tolist() if "cpu_s" in part else [math.nan]
-        fit = (least_squares(nbytes, cpu) if all(math.isfinite(c) for c in cpu)
-               else Cost(math.nan, math.nan))
+        fit = cpu_fit(nbytes, cpu)
         frame.loc[part.index, ["cpu_alpha_s", "cpu_s_per_byte"]] = (fit.alpha, fit.beta)
     return frame
+
+
+def cpu_fit(nbytes: list[float], cpu_s: list[float]) -> Cost:
+    """The CPU seconds' alpha + beta * bytes (NaN where a size has none): fitted by shares
+    of each sample, since the metered CPU of a few large sizes is noisier than the small
+    ones' (methods.costmodel.relative_least_squares)."""
+    if not all(math.isfinite(c) for c in cpu_s):
+        return Cost(math.nan, math.nan)
+    return relative_least_squares(nbytes, cpu_s)
 
 
 def table(frame: pd.DataFrame) -> str:

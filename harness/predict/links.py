@@ -31,7 +31,7 @@ import pandas as pd
 from harness import config
 from harness.config.frozen import Config
 from harness.measure import results
-from methods.costmodel import Cost
+from methods.costmodel import Cost, relative_least_squares
 
 Shape = tuple[int, int]  # (nodes, workers per node)
 NODE_KINDS = ("node_scatter", "node_root")  # a node's own part of a partition (psbench)
@@ -82,18 +82,18 @@ def measured(cfg: Config, *, ps_wire: str = "gloo") -> Measured:
 
 def _cpu(fits: list[tuple[Shape, pd.DataFrame]], kinds: tuple[str, ...]
          ) -> dict[tuple[str, Shape], Cost]:
-    """The CPU fit (`cpu_alpha_s`, `cpu_s_per_byte`) of each of `kinds` on each shape, from
-    the newest microbenchmark that measured it there with a finite one (`fits` oldest
-    first)."""
+    """The CPU fit of each of `kinds` on each shape, from the newest microbenchmark that
+    measured it there for every size (`fits` oldest first): fitted anew from its samples
+    (`cpu_s`) by their shares, as harness.microbench now fits them (`cpu_fit`), so a
+    table written with the plain fit of before predicts the same."""
     out = {}
     for shape, fit in fits:
         for kind in kinds:
             rows = fit[fit.kind == kind]
-            if rows.empty or "cpu_s_per_byte" not in rows:
+            if len(rows) < 2 or "cpu_s" not in rows or not rows.cpu_s.map(math.isfinite).all():
                 continue
-            alpha, beta = float(rows.cpu_alpha_s.iloc[0]), float(rows.cpu_s_per_byte.iloc[0])
-            if math.isfinite(alpha) and math.isfinite(beta):
-                out[(kind, shape)] = Cost(alpha, beta)
+            out[(kind, shape)] = relative_least_squares(rows.bytes.astype(float).tolist(),
+                                                        rows.cpu_s.tolist())
     return out
 
 
