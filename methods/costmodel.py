@@ -48,7 +48,8 @@ def relative_least_squares(nbytes: list[float], values: list[float]) -> Cost:
     2.0-2.6 ms; this fit 2.1 and 2.0)."""
     if len(nbytes) < 2 or len(set(nbytes)) < 2:
         raise ValueError("fitting alpha and beta needs samples of at least two message sizes")
-    w = [1.0 / max(v, 1e-12) ** 2 for v in values]
+    least = min((v for v in values if v > 0), default=1.0)  # a 0 read (a clock's tick) too
+    w = [1.0 / max(v, least) ** 2 for v in values]
     sw = sum(w)
     mx = sum(wi * x for wi, x in zip(w, nbytes)) / sw
     my = sum(wi * y for wi, y in zip(w, values)) / sw

@@ -139,6 +139,8 @@ def test_relative_least_squares_takes_alpha_from_the_small_sizes() -> None:
     assert abs(least_squares(xs, noisy).alpha - 2e-3) > 1e-3  # the plain fit's: 0.09 ms
     falling = relative_least_squares([1.0, 2.0], [2.0, 1.0])  # beta clamped at 0
     assert (falling.alpha, falling.beta) == (pytest.approx(1.2), 0.0)  # the weighted mean
+    # a size that read no CPU (a clock's tick) weighs as the least one that did
+    assert relative_least_squares([1.0, 2.0, 3.0], [0.0, 2.0, 3.0]).beta > 0.5  # 0.89
 
 
 def test_planners_cover_the_buffer_contiguously() -> None:

@@ -90,7 +90,8 @@ def _cpu(fits: list[tuple[Shape, pd.DataFrame]], kinds: tuple[str, ...]
     for shape, fit in fits:
         for kind in kinds:
             rows = fit[fit.kind == kind]
-            if len(rows) < 2 or "cpu_s" not in rows or not rows.cpu_s.map(math.isfinite).all():
+            if ("cpu_s" not in rows or rows.bytes.nunique() < 2
+                    or not rows.cpu_s.map(math.isfinite).all()):
                 continue
             out[(kind, shape)] = relative_least_squares(rows.bytes.astype(float).tolist(),
                                                         rows.cpu_s.tolist())
