@@ -8,6 +8,7 @@ reads the study's own table (`study_cost`, `method.planner.cost: study`).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -60,6 +61,16 @@ def relative_least_squares(nbytes: list[float], values: list[float]) -> Cost:
         alpha, beta = 0.0, (sum(wi * x * y for wi, x, y in zip(w, nbytes, values))
                             / sum(wi * x * x for wi, x in zip(w, nbytes)))
     return Cost(alpha=alpha, beta=beta)
+
+
+def cpu_fit(nbytes: list[float], cpu_s: list[float]) -> Cost:
+    """CPU seconds per message as alpha + beta * bytes, fitted by each sample's share (the
+    metered CPU of a few large sizes is noisier than the small ones'); NaN where a size
+    has none. harness.microbench writes it, harness/predict/links.py fits older tables'
+    samples with it."""
+    if not all(math.isfinite(c) for c in cpu_s):
+        return Cost(math.nan, math.nan)
+    return relative_least_squares(nbytes, cpu_s)
 
 
 # MG-WFBP's alpha (s) and beta (s/byte) as the study ran it: hard-coded per worker count and

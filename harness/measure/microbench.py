@@ -5,8 +5,8 @@ alpha + beta * bytes, the table and the parquet file rank 0 writes.
 Beside each time, the CPU it took (`cpu_s`): the CPU seconds the machine was busy (all
 cores: user, system, irq and softirq time) per operation, read by rank 0 over operations
 repeated after the timed ones until they fill a window long enough for /proc/stat's ticks
-(cpumeter.py); fitted by shares (`cpu_alpha_s`, `cpu_s_per_byte`: `cpu_fit`). CPU time is what the
-communication takes from the run's compute where they share cores
+(cpumeter.py); fitted by shares (`cpu_alpha_s`, `cpu_s_per_byte`: methods.costmodel's
+`cpu_fit`). CPU time is what the communication takes from the run's compute where they share cores
 (harness/predict/cpushare.py). The machine's clock, not the ranks' own: on a shaped link
 (tc tbf) most of a packet's kernel work runs in softirq context, on the qdisc's watchdog
 timer and in ksoftirqd, charged to no process (harness/predict/README.md measured it), so
@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from harness.launch.rank import Context
 from harness.measure import cpumeter, psbench, results
 from harness.measure.timing import device_sync
-from methods.costmodel import Cost, least_squares, relative_least_squares
+from methods.costmodel import cpu_fit, least_squares
 from methods.costtiming import time_allreduce
 from methods.ps import wire
 
@@ -175,15 +175,6 @@ def fitted(frame: pd.DataFrame) -> pd.DataFrame:
         fit = cpu_fit(nbytes, cpu)
         frame.loc[part.index, ["cpu_alpha_s", "cpu_s_per_byte"]] = (fit.alpha, fit.beta)
     return frame
-
-
-def cpu_fit(nbytes: list[float], cpu_s: list[float]) -> Cost:
-    """The CPU seconds' alpha + beta * bytes (NaN where a size has none): fitted by shares
-    of each sample, since the metered CPU of a few large sizes is noisier than the small
-    ones' (methods.costmodel.relative_least_squares)."""
-    if not all(math.isfinite(c) for c in cpu_s):
-        return Cost(math.nan, math.nan)
-    return relative_least_squares(nbytes, cpu_s)
 
 
 def table(frame: pd.DataFrame) -> str:

@@ -31,7 +31,7 @@ import pandas as pd
 from harness import config
 from harness.config.frozen import Config
 from harness.measure import results
-from methods.costmodel import Cost, relative_least_squares
+from methods.costmodel import Cost, cpu_fit
 
 Shape = tuple[int, int]  # (nodes, workers per node)
 NODE_KINDS = ("node_scatter", "node_root")  # a node's own part of a partition (psbench)
@@ -84,17 +84,17 @@ def _cpu(fits: list[tuple[Shape, pd.DataFrame]], kinds: tuple[str, ...]
          ) -> dict[tuple[str, Shape], Cost]:
     """The CPU fit of each of `kinds` on each shape, from the newest microbenchmark that
     measured it there for every size (`fits` oldest first): fitted anew from its samples
-    (`cpu_s`) by their shares, as harness.microbench now fits them (`cpu_fit`), so a
+    (`cpu_s`) by their shares, as harness.microbench now fits them (`costmodel.cpu_fit`), so a
     table written with the plain fit of before predicts the same."""
     out = {}
     for shape, fit in fits:
         for kind in kinds:
             rows = fit[fit.kind == kind]
-            if ("cpu_s" not in rows or rows.bytes.nunique() < 2
-                    or not rows.cpu_s.map(math.isfinite).all()):
+            if "cpu_s" not in rows or rows.bytes.nunique() < 2:
                 continue
-            out[(kind, shape)] = relative_least_squares(rows.bytes.astype(float).tolist(),
-                                                        rows.cpu_s.tolist())
+            cost = cpu_fit(rows.bytes.astype(float).tolist(), rows.cpu_s.tolist())
+            if math.isfinite(cost.alpha):
+                out[(kind, shape)] = cost
     return out
 
 
