@@ -72,14 +72,21 @@ def _below_one(args: object, *keys: str) -> str | None:
 class Family:
     target: str   # "module:class", imported on first use (transformers alone takes seconds)
     params: type  # dataclass of the arguments of `build`
+    library: str  # the module `build` imports, seconds of it
+
+    def modules(self) -> list[str]:
+        """What building a model of this family imports (harness.launch.zygote, once)."""
+        return [self.target.split(":")[0], self.library]
 
     def accepted(self) -> list[str]:
         """The arguments `build` takes, in the constructor's order."""
         return [f.name for f in fields(self.params)]
 
 
-FAMILIES: dict[str, Family] = {"vision": Family("models.vision:VisionModel", VisionArgs),
-                               "bert": Family("models.nlp:BertModel", BertArgs)}
+FAMILIES: dict[str, Family] = {
+    "vision": Family("models.vision:VisionModel", VisionArgs, "torchvision"),
+    "bert": Family("models.nlp:BertModel", BertArgs, "transformers.models.bert.modeling_bert"),
+}
 
 
 def __getattr__(name: str) -> Any:

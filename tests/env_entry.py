@@ -1,5 +1,5 @@
 """A harness entry for tests: each rank writes the environment it was spawned with (the
-NCCL_* and GLOO_* variables) and the network namespace it runs in to
+NCCL_* and GLOO_* variables), the network namespace it runs in and its parent's pid to
 `<results_dir>/env_rank<rank>.json`, and does nothing else."""
 
 from __future__ import annotations
@@ -19,4 +19,4 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
                            text=True)
     seen = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "GLOO_"))}
     Path(cfg.results_dir, f"env_rank{ctx.rank}.json").write_text(
-        json.dumps({"namespace": found.stdout.strip(), "env": seen}))
+        json.dumps({"namespace": found.stdout.strip(), "env": seen, "parent": os.getppid()}))

@@ -17,7 +17,6 @@ go with it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -29,15 +28,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.config import ConfigError, checks, load, to_json
+import models
+from harness.config import ConfigError, checks, load, resolve_device, to_json
 from harness.config.ranks import external_rank, host_of, num_servers, num_workers
-from harness.launch import failure, leftovers, netem, ports
-from harness.launch.process import new_run_id
+from harness.launch import failure, leftovers, netem, ports, zygote
+from harness.launch.process import die_with_parent, new_run_id
 
 POLL_S = 0.1
 KILL_GRACE_S = 5.0
 STALL_GRACE_S = 30.0  # beyond run.timeout_s: start-up, and a peer's own timeout first
 SETTLE_S = 3.0  # after a rank timed out on a peer: time for the others to say why
+
+Process = subprocess.Popen | zygote.Fork  # a rank: its pid and poll()
 
 
 def check_launcher(cfg: DictConfig) -> None:
@@ -91,21 +93,32 @@ def command(argv: list[str], *, name: str, entry: str,
     return code
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL if the launcher dies, so no worker is orphaned."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int, run_id: str,
-           master_addr: str, wrap: Callable[[list[str]], list[str]], extra_env: dict[str, str]
-           ) -> subprocess.Popen:
+           master_addr: str, wrap: Callable[[list[str]], list[str]] | None,
+           extra_env: dict[str, str], preload: list[str] | None, patience_s: float
+           ) -> Process:
+    """Rank `rank`: forked by this process's zygote once it imported `preload`, else (None,
+    or the zygote failed or took over `patience_s`) spawned, inside `wrap`'s command if any
+    (a network namespace)."""
     env = dict(os.environ, DDLBENCH_RANK=str(rank), DDLBENCH_WORLD_SIZE=str(world),
                DDLBENCH_RUN_ID=run_id, MASTER_ADDR=master_addr, MASTER_PORT=str(port),
                **extra_env)
+    args = [entry, str(cfg_path)]
+    if preload is not None:
+        with contextlib.suppress(zygote.ZygoteGone):  # then spawned, as without one
+            return zygote.zygote().fork("harness.launch.rank", args, env=env, preload=preload,
+                                        timeout_s=patience_s)
     return subprocess.Popen(
-        wrap([sys.executable, "-m", "harness.launch.rank", entry, str(cfg_path)]),
-        env=env, start_new_session=True, preexec_fn=_die_with_parent,
+        (wrap or list)([sys.executable, "-m", "harness.launch.rank", *args]),
+        env=env, start_new_session=True, preexec_fn=die_with_parent,
     )
+
+
+def _forked(cfg: DictConfig) -> bool:
+    """Whether a local run's ranks are forked by the zygote (harness.launch.zygote): on
+    CPU, outside network namespaces, unless DDLBENCH_FORK=0 asks to spawn each."""
+    return (os.environ.get("DDLBENCH_FORK") != "0" and cfg.cluster.name != "emulated"
+            and resolve_device(cfg.cluster) == "cpu")
 
 
 def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
@@ -121,17 +134,21 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
         run_dir = Path(tmp)
         cfg_path = run_dir / "config.json"
         cfg_path.write_text(to_json(cfg))
-        procs: list[subprocess.Popen] = []
+        procs: list[Process] = []
+        idle_s = cfg.run.timeout_s + STALL_GRACE_S
+        preload = (["harness.launch.rank", entry, *models.entry(cfg.model.family).modules()]
+                   if _forked(cfg) else None)
         try:
             for rank in range(world):
                 host = host_of(cfg, rank)
                 procs.append(_spawn(
                     cfg_path, entry=entry, rank=rank, world=world, port=port, run_id=run_id,
                     master_addr=net.address(0) if net else cfg.cluster.master_addr,
-                    wrap=(lambda argv, h=host: net.command(h, argv)) if net else list,
-                    extra_env=net.environment(host) if net else {},
+                    wrap=(lambda argv, h=host: net.command(h, argv)) if net else None,
+                    extra_env=net.environment(host) if net else {}, preload=preload,
+                    patience_s=idle_s,
                 ))
-            ending = _watch(procs, run_dir, idle_s=cfg.run.timeout_s + STALL_GRACE_S)
+            ending = _watch(procs, run_dir, idle_s=idle_s)
         except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by signals_raise
             code = 143 if isinstance(exc, Terminated) else 130
             reason = ("the launcher got SIGTERM" if code == 143 else
@@ -179,7 +196,7 @@ def _network(cfg: DictConfig, *, hosts: int, run_dir: Path
         yield net
 
 
-def _watch(procs: list[subprocess.Popen], run_dir: Path, *, idle_s: float) -> failure.Ending:
+def _watch(procs: list[Process], run_dir: Path, *, idle_s: float) -> failure.Ending:
     """Wait for every process. Stop them all on the first failure (after a short
     settling time when it is a peer's symptom, so the rank that caused it can say
     so), or when no rank has made progress for `idle_s`."""
@@ -206,7 +223,7 @@ def _watch(procs: list[subprocess.Popen], run_dir: Path, *, idle_s: float) -> fa
         time.sleep(POLL_S)
 
 
-def _stopped(procs: list[subprocess.Popen], exits: dict[int, int], run_dir: Path, *, code: int,
+def _stopped(procs: list[Process], exits: dict[int, int], run_dir: Path, *, code: int,
              interrupt: str = "", stall: str = "") -> failure.Ending:
     """Stop every rank; how the run ended, with how long each rank still running had
     been silent (failure.cause reads it)."""
@@ -217,7 +234,7 @@ def _stopped(procs: list[subprocess.Popen], exits: dict[int, int], run_dir: Path
                           silence=quiet)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[Process]) -> None:
     """SIGTERM every live process group, SIGKILL what is left after a grace period, and
     reap them all. A stopped (SIGSTOP) rank gets SIGCONT after the SIGTERM, so that it
     ends at once, as the shell's kill does; SIGKILL ends it anyway."""

@@ -7,8 +7,10 @@ spends no import on the run's critical path that only its ranks need.
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import os
+import signal
 import sys
 import uuid
 
@@ -29,6 +31,11 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def die_with_parent() -> None:
+    """In a child: get SIGKILL when the process that started it dies, so none is orphaned."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def new_run_id(cfg: DictConfig) -> str:
