@@ -173,7 +173,8 @@ def test_microbench_sees_the_link_rate(results_dir) -> None:
 def test_every_rank_of_an_emulated_node_tells_nccl_its_own_host_and_veth(tmp_path) -> None:
     # issue 38: `ip netns exec` changes neither the host name nor the boot id, from which
     # NCCL tells hosts apart; without NCCL_HOSTID every emulated node would be one host
-    code = ("import sys; from harness.launch.launcher import command; "
+    code = ("import os, sys; from harness.launch.launcher import command; "
+            "print(os.getpid(), flush=True); "
             "from harness.launch.process import exit_now; "
             "exit_now(command(sys.argv[1:], name='harness.run', entry='tests.env_entry'))")
     out = subprocess.run(
@@ -185,6 +186,8 @@ def test_every_rank_of_an_emulated_node_tells_nccl_its_own_host_and_veth(tmp_pat
     ranks = [json.loads((tmp_path / f"env_rank{r}.json").read_text()) for r in range(3)]
     hosts = [rank["namespace"] for rank in ranks]
     assert len(set(hosts)) == 3 and all(h.startswith(netem.PREFIX) for h in hosts)
+    [zygote] = {rank["parent"] for rank in ranks}  # forks of the launcher's zygote, which
+    assert zygote != int(out.stdout.split()[0])  # moved each into its node (netem.enter)
     for rank in ranks:
         env = rank["env"]
         assert env["NCCL_HOSTID"] == rank["namespace"]  # the namespace it really runs in

@@ -94,31 +94,29 @@ def command(argv: list[str], *, name: str, entry: str,
 
 
 def _spawn(cfg_path: Path, *, entry: str, rank: int, world: int, port: int, run_id: str,
-           master_addr: str, wrap: Callable[[list[str]], list[str]] | None,
-           extra_env: dict[str, str], preload: list[str] | None, patience_s: float
-           ) -> Process:
-    """Rank `rank`: forked by this process's zygote once it imported `preload`, else (None,
-    or the zygote failed or took over `patience_s`) spawned, inside `wrap`'s command if any
-    (a network namespace)."""
+           master_addr: str, net: netem.EmulatedNetwork | None, host: int,
+           preload: list[str] | None, patience_s: float) -> Process:
+    """Rank `rank`, on `host`'s namespace of `net` if any: forked by this process's zygote
+    once it imported `preload`, else (None, or the zygote failed or took over
+    `patience_s`) spawned."""
     env = dict(os.environ, DDLBENCH_RANK=str(rank), DDLBENCH_WORLD_SIZE=str(world),
                DDLBENCH_RUN_ID=run_id, MASTER_ADDR=master_addr, MASTER_PORT=str(port),
-               **extra_env)
+               **(net.environment(host) if net else {}))
     args = [entry, str(cfg_path)]
     if preload is not None:
         with contextlib.suppress(zygote.ZygoteGone):  # then spawned, as without one
             return zygote.zygote().fork("harness.launch.rank", args, env=env, preload=preload,
-                                        timeout_s=patience_s)
-    return subprocess.Popen(
-        (wrap or list)([sys.executable, "-m", "harness.launch.rank", *args]),
-        env=env, start_new_session=True, preexec_fn=die_with_parent,
-    )
+                                        timeout_s=patience_s,
+                                        namespace=net.namespace(host) if net else None)
+    argv = [sys.executable, "-m", "harness.launch.rank", *args]
+    return subprocess.Popen(net.command(host, argv) if net else argv, env=env,
+                            start_new_session=True, preexec_fn=die_with_parent)
 
 
 def _forked(cfg: DictConfig) -> bool:
     """Whether a local run's ranks are forked by the zygote (harness.launch.zygote): on
-    CPU, outside network namespaces, unless DDLBENCH_FORK=0 asks to spawn each."""
-    return (os.environ.get("DDLBENCH_FORK") != "0" and cfg.cluster.name != "emulated"
-            and resolve_device(cfg.cluster) == "cpu")
+    CPU, unless DDLBENCH_FORK=0 asks to spawn each."""
+    return os.environ.get("DDLBENCH_FORK") != "0" and resolve_device(cfg.cluster) == "cpu"
 
 
 def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
@@ -140,13 +138,10 @@ def _launch_local(cfg: DictConfig, *, entry: str) -> tuple[int, str]:
                    if _forked(cfg) else None)
         try:
             for rank in range(world):
-                host = host_of(cfg, rank)
                 procs.append(_spawn(
                     cfg_path, entry=entry, rank=rank, world=world, port=port, run_id=run_id,
-                    master_addr=net.address(0) if net else cfg.cluster.master_addr,
-                    wrap=(lambda argv, h=host: net.command(h, argv)) if net else None,
-                    extra_env=net.environment(host) if net else {}, preload=preload,
-                    patience_s=idle_s,
+                    master_addr=net.address(0) if net else cfg.cluster.master_addr, net=net,
+                    host=host_of(cfg, rank), preload=preload, patience_s=idle_s,
                 ))
             ending = _watch(procs, run_dir, idle_s=idle_s)
         except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM by signals_raise

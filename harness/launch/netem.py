@@ -9,6 +9,8 @@ after a per-run token, made on entry and removed on exit, also on errors.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
 import uuid
 from collections.abc import Sequence
@@ -17,6 +19,29 @@ IFNAME = "eth0"  # the host's interface inside its namespace
 SUBNET = "10.231.0"  # private addresses that exist only on the run's own bridge
 PREFIX = "dlb"
 MIN_BURST_KB = 96  # a token bucket's least size in KiB: more than one GSO packet (__init__)
+CLONE_NEWNS, CLONE_NEWNET, MS_REC, MS_SLAVE, MNT_DETACH = 0x20000, 0x40000000, 0x4000, 0x80000, 2
+
+
+def enter(namespace: str) -> None:
+    """Move this process into `namespace` as `ip netns exec` would (a rank forked by
+    harness.launch.zygote): its network, and a mount namespace of its own whose /sys shows
+    that network's devices."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} for network namespace {namespace}: {os.strerror(err)}")
+
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
+    check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 def _ip(*args: str) -> None:

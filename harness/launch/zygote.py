@@ -12,9 +12,9 @@ spawned rank dies with the launcher. The zygote reaps its forks and sends back e
 exit code, negative for a signal as `subprocess` gives it: `Fork.poll` and `Fork.pid` are
 all the launcher's watchdog and `_stop` use of a process.
 
-GPU runs spawn as before: CUDA does not survive a fork of a process whose driver was
-touched, and a GPU machine has the cores to import its ranks side by side. So do emulated
-clusters, whose ranks start inside `ip netns exec`.
+On an emulated cluster a fork joins its node's network namespace as `ip netns exec` would
+(`netem.enter`). GPU runs spawn as before: CUDA does not survive a fork of a process whose
+driver was touched, and a GPU machine has the cores to import its ranks side by side.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.launch import netem
 from harness.launch.process import die_with_parent
 
 POLL_S = 0.05
@@ -71,15 +72,21 @@ class Zygote:
         return self.proc.poll() is None
 
     def fork(self, module: str, args: list[str], *, env: dict[str, str],
-             preload: list[str], timeout_s: float) -> Fork:
-        """`python -m module *args` with `env`, forked once `preload` is imported (within
-        `timeout_s`, else ZygoteGone)."""
-        request = json.dumps({"module": module, "args": args, "env": env, "preload": preload})
+             preload: list[str], timeout_s: float, namespace: str | None = None) -> Fork:
+        """`python -m module *args` with `env` (in network `namespace`, as `ip netns exec`
+        would run it), forked once `preload` is imported (within `timeout_s`, else
+        ZygoteGone)."""
+        request = json.dumps({"module": module, "args": args, "env": env, "preload": preload,
+                              "namespace": namespace})
         deadline = time.monotonic() + timeout_s
         try:
-            socket.send_fds(self.sock, [request.encode()], [0, 1, 2])
+            try:
+                socket.send_fds(self.sock, [request.encode()], [0, 1, 2])
+            except OSError as exc:  # a standard stream closed, or the zygote gone
+                raise ZygoteGone(f"could not ask the zygote: {exc}") from exc
             while True:
-                if not select.select([self.sock], [], [], deadline - time.monotonic())[0]:
+                left = max(0.0, deadline - time.monotonic())
+                if not select.select([self.sock], [], [], left)[0]:
                     raise ZygoteGone(f"the zygote did not fork within {timeout_s:g} s")
                 message = self._receive(block=True)
                 if "pid" in message:
@@ -197,6 +204,8 @@ def _fork(sock: socket.socket, request: dict, fds: list[int]) -> int:
         die_with_parent()
         if os.getppid() != zygote_pid:  # the zygote died before PR_SET_PDEATHSIG was set
             os._exit(1)
+        if request["namespace"]:
+            netem.enter(request["namespace"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["env"])
