@@ -9,6 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 HOROVOD_STAMP := $(VENV)/.horovod-stamp
 PYTEST_ARGS ?=
+LANES ?= 2
 
 .PHONY: run test faults soak lint bench report clean horovod
 
@@ -32,11 +33,16 @@ run: $(STAMP)  # the small study, then its figures, tables and page (plots/index
 	$(PY) -m harness.report
 
 # compileall: each of the suite's processes loads the project's bytecode rather than compiling
-# it again (under PYTHONDONTWRITEBYTECODE nothing else writes it)
+# it again (under PYTHONDONTWRITEBYTECODE nothing else writes it). The suite runs in $(LANES)
+# lanes, a test file each at a time (one lane's runs fill the other's waits), then the tests
+# that read the whole machine alone (-m serial). Exit code 5 is "no test selected", which a
+# PYTEST_ARGS of one file makes of one of the two.
 test: $(HOROVOD_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m compileall -q harness methods models tests > /dev/null
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(LANES) --dist loadfile -m 'not faults and not serial' $(PYTEST_ARGS) \
+		|| test $$? -eq 5
+	$(PY) -m pytest -m 'serial and not faults' $(PYTEST_ARGS) || test $$? -eq 5
 
 faults: $(STAMP)  # every fault of tests/test_faults.py with every kind of method (~15 min)
 	$(PY) -m pytest -m faults tests/test_faults.py $(PYTEST_ARGS)

@@ -190,6 +190,7 @@ def test_older_microbenchmarks_load_without_the_cpu_columns(tmp_path: Path) -> N
         assert (cost.alpha, cost.beta) == pytest.approx((1e-3, 2e-8))
 
 
+@pytest.mark.serial  # the machine's CPU, bounded: another test's would count
 def test_microbench_rows_carry_the_cpu_of_every_process(results_dir) -> None:
     """2 local nodes x 2 with a PS method: workers and servers, all on this machine."""
     out = run_module("harness.microbench", "cluster.nodes=2", "cluster.workers_per_node=2",

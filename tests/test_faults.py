@@ -23,7 +23,7 @@ import pytest
 
 from harness.config import checks
 from harness.config import engine as horovod
-from harness.launch import failure, launcher, netem
+from harness.launch import failure, launcher, leftovers, netem
 from harness.measure import results
 from tests.conftest import REPO, live_processes, run_module
 
@@ -253,12 +253,13 @@ def test_sigint_during_an_emulated_run_removes_the_network(tmp_path: Path) -> No
     run = Run(tmp_path, "cluster=emulated", "network=eth1g", "cluster.workers_per_node=2",
               timeout_s=60)
     run.wait_for_second_repeat()
+    [run_dir] = run.run_dirs()
+    token = (run_dir / leftovers.NETWORK).read_text().strip()  # this run's, not another test's
+    assert len(netem.leftovers(token)) == 1 + 2 + 2  # bridge, namespaces, veths
     run.proc.send_signal(signal.SIGINT)
     code = run.finish(timeout=120)
     _assert_failed_cleanly(run, Fault("emulated", [], ["interrupted"], code=130), code)
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert netem.PREFIX not in links and netem.PREFIX not in spaces, (links, spaces)
+    assert netem.leftovers(token) == []
 
 
 # -- every fault ends with a row, or with one line -------------------------------------------

@@ -19,6 +19,7 @@ from tests.conftest import REPO, TINY, run_module
 
 pytestmark = [
     pytest.mark.network,
+    pytest.mark.serial,  # link rates, and the CPU a shaped link costs, measured machine-wide
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
     pytest.mark.skipif(bool(checks.missing_net_tools()), reason="ip/tc (iproute2) are missing"),
 ]
