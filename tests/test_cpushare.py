@@ -192,9 +192,11 @@ def test_older_microbenchmarks_load_without_the_cpu_columns(tmp_path: Path) -> N
 
 @pytest.mark.serial  # the machine's CPU, bounded: another test's would count
 def test_microbench_rows_carry_the_cpu_of_every_process(results_dir) -> None:
-    """2 local nodes x 2 with a PS method: workers and servers, all on this machine."""
+    """2 local nodes x 2 with a PS method: workers and servers, all on this machine. No
+    rank waits longer than one size's timing: the servers idle through the links' kinds
+    (about 25 s here, 5 minutes on 3 eth100m nodes) in steps, each within run.timeout_s."""
     out = run_module("harness.microbench", "cluster.nodes=2", "cluster.workers_per_node=2",
-                     "method=bsp_ps",
+                     "method=bsp_ps", "run.timeout_s=10",
                      "microbench.min_bytes=1024", "microbench.max_bytes=67108864",
                      "microbench.repeats=2", f"results_dir={results_dir}")
     assert out.returncode == 0, out.stderr[-3000:]

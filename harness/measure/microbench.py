@@ -129,11 +129,20 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
     cpu = cpumeter.cpu_clock(ctx.rank)
     if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
+        # last; meanwhile they keep step with the workers, a barrier a size of each kind
+        # timed without them: one wait for all of it can outlast run.timeout_s (3 eth100m
+        # nodes: over 5 minutes)
+        per_node = cfg.cluster.workers_per_node  # the workers' node groups (rank.node_groups)
+        node_part = per_node > 1 and ctx.num_workers > per_node
+        for _ in range(len(sizes(cfg)) * (2 if node_part else 1)):
+            ctx.beat("waiting while the workers time the links")
+            dist.barrier()
         psbench.server(ctx)
         return
     rows = []
     links = pairs(nodes=cfg.cluster.nodes, workers_per_node=cfg.cluster.workers_per_node)
     repeats = cfg.microbench.repeats
+    step = dist.barrier if ctx.num_servers else (lambda: None)  # the servers' step
     # the PS wire (gloo or ucx) over the `p2p` link with host tensors, as pushes and pulls go
     timed = [*((kind, pair, False) for kind, pair in links.items()), ("wire", links["p2p"], True)]
     for nbytes in sizes(cfg):
@@ -144,12 +153,15 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
                 over_wire=wired, cpu=cpu, group=ctx.worker_group)))
         rows.append(("allreduce", "all", nbytes, *metered_allreduce(
             cpu, ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
-    if ctx.num_servers:  # a PS method: round trip and flight through the real server (psbench)
-        rows += psbench.round_trips(ctx, sizes(cfg), repeats=repeats,
-                                    per_node=cfg.cluster.workers_per_node, cpu=cpu)
+        step()
+    if ctx.num_servers:  # a PS method
         if ctx.node_groups:  # the node's own part around each push and pull
             rows += psbench.node_paths(ctx, sizes(cfg), repeats=repeats,
-                                       per_node=cfg.cluster.workers_per_node, cpu=cpu)
+                                       per_node=cfg.cluster.workers_per_node, cpu=cpu,
+                                       step=step)
+        # round trip and flight through the real server
+        rows += psbench.round_trips(ctx, sizes(cfg), repeats=repeats,
+                                    per_node=cfg.cluster.workers_per_node, cpu=cpu)
     if ctx.rank == 0:
         frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds", "cpu_s"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,

@@ -68,6 +68,7 @@ COPY = -1                    # a step of the node's part: the slice out and back
 
 def server(ctx: Context) -> None:
     """A server rank: serve until every worker said STOP."""
+    ctx.beat("serving the round trips")
     serve(num_workers=ctx.num_workers)
 
 
@@ -124,11 +125,12 @@ def _timed(ctx: Context, root: bool, target: int, keys: list[int], numel: int,
 
 
 def node_paths(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
-               cpu: Callable[[], float] = cpumeter.no_clock
+               cpu: Callable[[], float] = cpumeter.no_clock,
+               step: Callable[[], None] = lambda: None
                ) -> list[tuple[str, str, int, float, float]]:
     """Every worker's side; (kind, ranks, bytes, median seconds, CPU seconds) per size of
     the node's part of one partition on each path, `node_scatter` and `node_root` (rank 0's
-    clock; the others' rows are theirs, unused)."""
+    clock; the others' rows are theirs, unused); `step()` after each size."""
     node = Node(ctx.rank, per_node, ctx.node_groups)
     node.warm_up(torch.device("cpu"))
     rows = []
@@ -141,6 +143,7 @@ def node_paths(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
             one = functools.partial(_node_part, node, steps, chunk, shared)
             rows.append((kind, f"nodes-of-{per_node}", nbytes,
                          *_metered(ctx, one, repeats, cpu)))
+        step()
     return rows
 
 
