@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 from harness.launch.rank import Context
 from harness.measure import cpumeter, psbench, results
+from harness.measure.progress import Progress
 from harness.measure.timing import device_sync
 from methods.costmodel import cpu_fit, least_squares
 from methods.costtiming import time_allreduce
@@ -128,24 +129,36 @@ def metered_allreduce(cpu: Callable[[], float], group: dist.ProcessGroup | None,
 def worker(cfg: DictConfig, ctx: Context) -> None:
     """Entry of every rank: time each size, then rank 0 fits, prints and writes."""
     cpu = cpumeter.cpu_clock(ctx.rank)
+    sizes_ = sizes(cfg)
+    per_node = cfg.cluster.workers_per_node
+    node_part = bool(ctx.num_servers) and per_node > 1 and ctx.num_workers > per_node
     if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
         # last; meanwhile they keep step with the workers, a barrier a size of each kind
         # timed without them: one wait for all of it can outlast run.timeout_s (3 eth100m
         # nodes: over 5 minutes)
-        per_node = cfg.cluster.workers_per_node  # the workers' node groups (rank.node_groups)
-        node_part = per_node > 1 and ctx.num_workers > per_node
-        for _ in range(len(sizes(cfg)) * (2 if node_part else 1)):
+        for _ in range(len(sizes_) * (2 if node_part else 1)):
             ctx.beat("waiting while the workers time the links")
             dist.barrier()
         psbench.server(ctx)
         return
+    total = len(sizes_) * (2 if node_part else 1) + (
+        psbench.steps(sizes_) if ctx.num_servers else 0)
+    shown = Progress(total, desc=f"[{ctx.run_id}] microbench", unit="sizes timed",
+                     delay_s=5) if ctx.rank == 0 else None
+
+    def step(servers_wait: bool = True) -> None:
+        """After each size of each kind: the servers' step, and rank 0's progress."""
+        if servers_wait and ctx.num_servers:
+            dist.barrier()
+        if shown is not None:
+            shown.update()
+
     rows = []
-    links = pairs(nodes=cfg.cluster.nodes, workers_per_node=cfg.cluster.workers_per_node)
+    links = pairs(nodes=cfg.cluster.nodes, workers_per_node=per_node)
     repeats = cfg.microbench.repeats
-    step = dist.barrier if ctx.num_servers else (lambda: None)  # the servers' step
     # the PS wire (gloo or ucx) over the `p2p` link with host tensors, as pushes and pulls go
     timed = [*((kind, pair, False) for kind, pair in links.items()), ("wire", links["p2p"], True)]
-    for nbytes in sizes(cfg):
+    for nbytes in sizes_:
         ctx.beat(f"timing {nbytes} bytes")
         for kind, pair, wired in timed:
             rows.append((kind, f"{pair[0]}-{pair[1]}", nbytes, *time_p2p(
@@ -154,14 +167,14 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         rows.append(("allreduce", "all", nbytes, *metered_allreduce(
             cpu, ctx.worker_group, max(1, nbytes // 4), repeats=repeats, device=ctx.device)))
         step()
-    if ctx.num_servers:  # a PS method
-        if ctx.node_groups:  # the node's own part around each push and pull
-            rows += psbench.node_paths(ctx, sizes(cfg), repeats=repeats,
-                                       per_node=cfg.cluster.workers_per_node, cpu=cpu,
-                                       step=step)
-        # round trip and flight through the real server
-        rows += psbench.round_trips(ctx, sizes(cfg), repeats=repeats,
-                                    per_node=cfg.cluster.workers_per_node, cpu=cpu)
+    if node_part:  # the node's own part around each push and pull
+        rows += psbench.node_paths(ctx, sizes_, repeats=repeats, per_node=per_node, cpu=cpu,
+                                   step=step)
+    if ctx.num_servers:  # a PS method: round trip and flight through the real server
+        rows += psbench.round_trips(ctx, sizes_, repeats=repeats, per_node=per_node, cpu=cpu,
+                                    step=lambda: step(servers_wait=False))
+    if shown is not None:
+        shown.close()
     if ctx.rank == 0:
         frame = fitted(pd.DataFrame(rows, columns=["kind", "ranks", "bytes", "seconds", "cpu_s"]))
         frame = frame.assign(run_id=ctx.run_id, cluster=cfg.cluster.name,

@@ -72,12 +72,19 @@ def server(ctx: Context) -> None:
     serve(num_workers=ctx.num_workers)
 
 
+def steps(sizes: list[int]) -> int:
+    """How many sizes `round_trips` times: each size's round trip, and the flights."""
+    return len(sizes) + sum(n <= FLIGHT_MAX_BYTES for n in sizes)
+
+
 def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
-                cpu: Callable[[], float] = cpumeter.no_clock
+                cpu: Callable[[], float] = cpumeter.no_clock,
+                step: Callable[[], None] = lambda: None
                 ) -> list[tuple[str, str, int, float, float]]:
     """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds, CPU
     seconds) per size, of the round trip (`ps`) and of the flight (`ps_flight`, a
-    partition's share of both); `cpu`: microbench's CPU clock (rank 0)."""
+    partition's share of both); `cpu`: microbench's CPU clock (rank 0); `step()` after
+    each of the `steps(sizes)`."""
     target = server_ranks(ctx.num_workers)[0]
     numels = [max(1, n // 4) for n in sizes]
     flown = [(i, numel) for i, (n, numel) in enumerate(zip(sizes, numels))
@@ -95,11 +102,13 @@ def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
         ctx.beat(f"push/pull {nbytes} bytes")
         rows.append(("ps", f"roots-{target}", nbytes,
                      *_timed(ctx, root, target, [key], numel, repeats, cpu)))
+        step()
     for i, numel in flown:
         ctx.beat(f"{FLIGHT} x {sizes[i]} bytes in flight")
         seconds, spent = _timed(ctx, root, target, flight_keys[i], numel, repeats, cpu)
         rows.append(("ps_flight", f"roots-{target}x{FLIGHT}", sizes[i], seconds / FLIGHT,
                      spent / FLIGHT))
+        step()
     wire.send(header(CLOSE), target, tag=CTRL_TAG)
     stop_servers(num_workers=ctx.num_workers)
     return rows
