@@ -142,7 +142,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
         psbench.server(ctx)
         return
     total = len(sizes_) * (2 if node_part else 1) + (
-        psbench.steps(sizes_) if ctx.num_servers else 0)
+        psbench.round_trip_steps(sizes_) if ctx.num_servers else 0)
     shown = Progress(total, desc=f"[{ctx.run_id}] microbench", unit="sizes timed",
                      delay_s=5) if ctx.rank == 0 else None
 

@@ -72,7 +72,7 @@ def server(ctx: Context) -> None:
     serve(num_workers=ctx.num_workers)
 
 
-def steps(sizes: list[int]) -> int:
+def round_trip_steps(sizes: list[int]) -> int:
     """How many sizes `round_trips` times: each size's round trip, and the flights."""
     return len(sizes) + sum(n <= FLIGHT_MAX_BYTES for n in sizes)
 
@@ -84,7 +84,7 @@ def round_trips(ctx: Context, sizes: list[int], *, repeats: int, per_node: int,
     """Every worker's side; rank 0 returns (kind, ranks, bytes, median seconds, CPU
     seconds) per size, of the round trip (`ps`) and of the flight (`ps_flight`, a
     partition's share of both); `cpu`: microbench's CPU clock (rank 0); `step()` after
-    each of the `steps(sizes)`."""
+    each of the `round_trip_steps(sizes)`."""
     target = server_ranks(ctx.num_workers)[0]
     numels = [max(1, n // 4) for n in sizes]
     flown = [(i, numel) for i, (n, numel) in enumerate(zip(sizes, numels))
