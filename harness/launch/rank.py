@@ -299,11 +299,17 @@ def _placed_device(cfg: DictConfig, *, rank: int, local_rank: int, worker: bool,
     return device
 
 
+def node_local(workers: int, per_node: int) -> bool:
+    """Whether a PS method's workers reduce inside their node first: several nodes of
+    several workers each."""
+    return per_node > 1 and workers > per_node
+
+
 def node_groups(workers: int, per_node: int, *, timeout: dt.timedelta) -> tuple | None:
     """Two process groups per node of `per_node` workers, for PS methods' reduce and
     broadcast inside the node (methods/ps/node.py), made on every rank (it is collective):
     this worker's pair, or None (servers; one worker per node; one node)."""
-    if per_node == 1 or workers <= per_node:
+    if not node_local(workers, per_node):
         return None
     nodes = [list(range(n, n + per_node)) for n in range(0, workers, per_node)]
     mine = [dist.new_subgroups_by_enumeration(nodes, timeout=timeout)[0] for _ in range(2)]

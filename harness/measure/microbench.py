@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from harness.launch.rank import Context
+from harness.launch.rank import Context, node_local
 from harness.measure import cpumeter, psbench, results
 from harness.measure.progress import Progress
 from harness.measure.timing import device_sync
@@ -131,7 +131,7 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     cpu = cpumeter.cpu_clock(ctx.rank)
     sizes_ = sizes(cfg)
     per_node = cfg.cluster.workers_per_node
-    node_part = bool(ctx.num_servers) and per_node > 1 and ctx.num_workers > per_node
+    node_part = bool(ctx.num_servers) and node_local(ctx.num_workers, per_node)
     if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
         # last; meanwhile they keep step with the workers, a barrier a size of each kind
         # timed without them: one wait for all of it can outlast run.timeout_s (3 eth100m
