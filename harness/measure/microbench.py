@@ -132,17 +132,17 @@ def worker(cfg: DictConfig, ctx: Context) -> None:
     sizes_ = sizes(cfg)
     per_node = cfg.cluster.workers_per_node
     node_part = bool(ctx.num_servers) and node_local(ctx.num_workers, per_node)
+    unserved = len(sizes_) * (2 if node_part else 1)  # sizes timed without the servers
     if not ctx.is_worker:  # a PS method's servers: they answer the push/pull round trips
         # last; meanwhile they keep step with the workers, a barrier a size of each kind
         # timed without them: one wait for all of it can outlast run.timeout_s (3 eth100m
         # nodes: over 5 minutes)
-        for _ in range(len(sizes_) * (2 if node_part else 1)):
+        for _ in range(unserved):
             ctx.beat("waiting while the workers time the links")
             dist.barrier()
         psbench.server(ctx)
         return
-    total = len(sizes_) * (2 if node_part else 1) + (
-        psbench.round_trip_steps(sizes_) if ctx.num_servers else 0)
+    total = unserved + (psbench.round_trip_steps(sizes_) if ctx.num_servers else 0)
     shown = Progress(total, desc=f"[{ctx.run_id}] microbench", unit="sizes timed",
                      delay_s=5) if ctx.rank == 0 else None
 
